@@ -1,0 +1,56 @@
+"""Configuration dataclasses threaded through the engine, the worker and the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM2, Qwen2)."""
+
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Total KV blocks in the pool; None sizes it from `kv_cache_memory_bytes`.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    # Tokens processed per step across all sequences (prefill chunks + decodes).
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_logprobs: int = 20
+    enable_keep_sampling_mask: bool = False
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
