@@ -1,0 +1,52 @@
+"""What the sampler needs to know about each row of a step's logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for a batch of B rows, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # float32 [B]; 0 means greedy
+    top_k: torch.Tensor  # int64 [B]; 0 means off
+    top_p: torch.Tensor  # float32 [B]; 1.0 means off
+    min_p: torch.Tensor  # float32 [B]; 0.0 means off
+    repetition_penalty: torch.Tensor  # float32 [B]; 1.0 means off
+    presence_penalty: torch.Tensor  # float32 [B]; 0.0 means off
+    frequency_penalty: torch.Tensor  # float32 [B]; 0.0 means off
+    # Token history for penalties, right-padded with -1; None when no row has a penalty.
+    prompt_token_ids: torch.Tensor | None  # int64 [B, P]
+    output_token_ids: torch.Tensor | None  # int64 [B, O]
+    # Sparse logit bias as COO triples; None when no row has one.
+    logit_bias_rows: torch.Tensor | None  # int64 [M]
+    logit_bias_cols: torch.Tensor | None  # int64 [M]
+    logit_bias_values: torch.Tensor | None  # float32 [M]
+    # A generator per row for requests with a seed; None rows use the default generator.
+    generators: list[torch.Generator | None]
+    # Largest top_logprobs requested in the step; -1 when no row wants logprobs.
+    max_num_logprobs: int
+    logprobs_mode: str  # "raw_logprobs" | "processed_logprobs"
+    # Rows whose kept set (sampling mask) is wanted; None when no row wants it.
+    return_sampling_mask: torch.Tensor | None  # bool [B]
+    # Optional guided-decoding bitmask: int32 [B, ceil(V / 32)], bit set = allowed.
+    token_bitmask: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """What one sampler call produced for B rows."""
+
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    # Column 0 is the sampled token, columns 1..k the top-k; None when max_num_logprobs < 0.
+    logprob_token_ids: torch.Tensor | None  # int64 [B, k + 1]
+    logprobs: torch.Tensor | None  # float32 [B, k + 1]
+    sampled_token_ranks: torch.Tensor | None  # int64 [B]; 1 = most likely token
+    # Kept sets as CSR; row r's ids are mask_ids[mask_offsets[r]:mask_offsets[r + 1]].
+    # An empty row means null: no truncation, or no mask requested for that row.
+    mask_offsets: torch.Tensor | None  # int32 [B + 1]
+    mask_ids: torch.Tensor | None  # int32 [M], sorted ascending within each row
+    logz: torch.Tensor | None  # float32 [B]; 0.0 for null rows
