@@ -1,0 +1,85 @@
+"""Engine arguments: one dataclass, shared by the CLI and the offline `LLM`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_mb: int = 512
+    max_logprobs: int = 20
+    enable_keep_sampling_mask: bool = False
+    logprobs_mode: str = "raw_logprobs"
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            load_format=self.load_format,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+            enable_keep_sampling_mask=self.enable_keep_sampling_mask,
+            logprobs_mode=self.logprobs_mode,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024 * 1024,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=max(self.max_num_batched_tokens, 1),
+            ),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        parser.add_argument("model", nargs="?", default=None,
+                            help="GGUF file or Hugging Face directory; default: the embedded SmolLM2-135M-Instruct")
+        parser.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default=d.load_format,
+                            help="how to read weights; 'dummy' gives random weights of the model's config")
+        parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
+        parser.add_argument("--device", default=d.device, help="cpu or cuda")
+        parser.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                            help="most sequences decoded together in one step")
+        parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                            help="context length: prompt plus completion tokens")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                            help="token budget of one step; longer prompts are prefilled in chunks")
+        parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+        parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                            help="KV cache blocks in the pool (overrides --kv-cache-memory-mb)")
+        parser.add_argument("--kv-cache-memory-mb", type=int, default=d.kv_cache_memory_mb,
+                            help="memory for the KV cache pool")
+        parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                            help="largest top_logprobs / logprobs a request may ask for")
+        parser.add_argument("--enable-keep-sampling-mask", "--enable_keep_sampling_mask",
+                            dest="enable_keep_sampling_mask", action="store_true",
+                            help="return `sampling_mask` (the token ids the sampler could draw from after "
+                                 "top-k/top-p/min-p) and `sampling_logz` with every generated token")
+        parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
+                            default=d.logprobs_mode,
+                            help="raw: the model's log-softmax; processed: after penalties, temperature and "
+                                 "truncation, renormalised over the kept set")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

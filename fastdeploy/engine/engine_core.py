@@ -1,0 +1,130 @@
+"""The step loop: schedule → execute → process outputs → release finished sequences."""
+
+from __future__ import annotations
+
+import itertools
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.executor import Executor
+from fastdeploy.engine.request import EngineRequest, RequestDelta
+from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.output.token_processor import TokenProcessor
+from fastdeploy.scheduler.block_manager import BlockManager
+from fastdeploy.scheduler.scheduler import Scheduler
+from fastdeploy.scheduler.sequence import Sequence
+from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        info = executor.info
+        self.vocab_size = info.vocab_size
+        self.max_model_len = min(config.scheduler.max_model_len, info.max_position_embeddings)
+        self.block_manager = BlockManager(info.num_blocks, info.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
+        self.sequences: dict[int, Sequence] = {}
+        self.by_request_id: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._message_ids = itertools.count()
+        self._on_worker: set[int] = set()
+        self._freed: list[int] = []
+
+    def validate(self, request: EngineRequest) -> None:
+        """Raise ParameterError for a request that must be refused before it is queued."""
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ParameterError("the prompt is empty", "prompt")
+        if num_prompt >= self.max_model_len:
+            raise ParameterError(
+                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens "
+                "and at least one must be left for the completion",
+                "messages" if request.request_id.startswith("chatcmpl") else "prompt",
+            )
+        if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
+            raise ParameterError("the prompt holds a token id outside the vocabulary", "prompt")
+        request.params.validate(self.config.max_logprobs, self.vocab_size)
+        if request.params.return_sampling_mask and not self.config.enable_keep_sampling_mask:
+            raise ParameterError(
+                "return_sampling_mask needs the server to run with --enable-keep-sampling-mask",
+                "return_sampling_mask",
+            )
+        max_tokens = request.params.max_tokens or self.max_model_len
+        longest = min(num_prompt + max_tokens, self.max_model_len)
+        if not self.scheduler.fits_ever(longest):
+            raise ParameterError(
+                f"the request needs up to {longest} tokens of KV cache but the pool holds "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}; lower max_tokens",
+                "max_tokens",
+            )
+        if request.request_id in self.by_request_id:
+            raise ParameterError(f"request id {request.request_id!r} is already running", "request_id")
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.validate(request)
+        seq = Sequence(next(self._seq_ids), request.request_id, list(request.prompt_token_ids), request.params,
+                       request.arrival_time)
+        self.sequences[seq.seq_id] = seq
+        self.by_request_id[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        deltas = []
+        for request_id in request_ids:
+            seq = self.by_request_id.get(request_id)
+            if seq is not None:
+                self._release(seq)
+                deltas.append(RequestDelta(request_id, [], finish_reason="abort",
+                                           num_prompt_tokens=len(seq.prompt_token_ids)))
+        return deltas
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        del self.sequences[seq.seq_id]
+        del self.by_request_id[seq.request_id]
+        if seq.seq_id in self._on_worker:
+            self._on_worker.discard(seq.seq_id)
+            self._freed.append(seq.seq_id)
+
+    def _wants_mask(self, seq: Sequence) -> bool:
+        requested = seq.params.return_sampling_mask
+        return self.config.enable_keep_sampling_mask and requested is not False
+
+    def step(self) -> list[RequestDelta]:
+        plan = self.scheduler.schedule()
+        new_sequences = []
+        chunks = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.seq_id not in self._on_worker:
+                self._on_worker.add(seq.seq_id)
+                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params, self._wants_mask(seq)))
+            end = chunk.start + chunk.num_tokens
+            chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
+                                     list(seq.block_ids), chunk.samples))
+        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed)
+        self._freed = []
+        frame = self.executor.execute(step_input)
+        self.scheduler.on_step_done(plan)
+        deltas = []
+        for seq, delta in self.token_processor.process(frame, self.sequences):
+            if delta.finish_reason is not None:
+                self._release(seq)
+            deltas.append(delta)
+        return deltas
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

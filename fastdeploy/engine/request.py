@@ -1,0 +1,57 @@
+"""Messages between the API server and the engine (msgpack structs, no pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence to generate; `n > 1` is fanned out into several of these by the caller."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag=True):
+    request_ids: list[str]
+
+
+class AddRequest(msgspec.Struct, array_like=True, tag=True):
+    request: EngineRequest
+
+
+EngineInput = AddRequest | AbortRequests
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one engine step produced for one request.
+
+    Per-token lists are aligned with `token_ids`. `top_logprob_ids[i][0]` is the
+    sampled token; the rest are the top-k.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[list[float]] | None = None
+    logprob_token_ids: list[list[int]] | None = None
+    ranks: list[int] | None = None
+    sampling_mask: list[list[int] | None] | None = None
+    logz: list[float] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class EngineOutputs(msgspec.Struct, array_like=True):
+    """All deltas of one engine step, sent as one message."""
+
+    deltas: list[RequestDelta]
+    # Engine gauges piggy-backed for /metrics.
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0

@@ -1,0 +1,82 @@
+"""Per-request sampling parameters, validated once at the edge."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ParameterError(ValueError):
+    """A request parameter is out of range; `param` names it for the 400 response."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one request. Travels API server → engine → worker as msgpack."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = {}
+    # None: no logprobs; 0: the sampled token's only; k: plus the top k.
+    logprobs: int | None = None
+    return_sampling_mask: bool | None = None  # None: follow the server flag
+    skip_special_tokens: bool = True
+
+    def validate(self, max_logprobs: int, vocab_size: int | None = None) -> None:
+        """Raise ParameterError naming the first bad parameter."""
+        if self.n < 1:
+            raise ParameterError(f"n must be at least 1, got {self.n}", "n")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ParameterError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature < 0:
+            raise ParameterError(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParameterError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise ParameterError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ParameterError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.repetition_penalty <= 0:
+            raise ParameterError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ParameterError(f"{name} must be in [-2, 2], got {value}", name)
+        if self.logprobs is not None:
+            if self.logprobs < 0:
+                raise ParameterError(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+            if self.logprobs > max_logprobs:
+                raise ParameterError(
+                    f"top_logprobs={self.logprobs} is above the server maximum {max_logprobs}", "top_logprobs"
+                )
+        if vocab_size is not None:
+            for token_id in list(self.logit_bias) + list(self.stop_token_ids):
+                if not 0 <= token_id < vocab_size:
+                    raise ParameterError(f"token id {token_id} is outside the vocabulary", "logit_bias")
+        for token_id, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                raise ParameterError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k < 0 else self.top_k

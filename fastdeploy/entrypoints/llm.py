@@ -1,0 +1,136 @@
+"""Offline inference: the engine run in this process."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import InProcessExecutor
+from fastdeploy.engine.request import EngineRequest
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.model_loader import get_tokenizer
+from fastdeploy.output.detokenizer import TokenTexts
+from fastdeploy.output.output_processor import RequestOutputState, TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    sampling_mask: list[list[int] | None] | None = None
+    sampling_logz: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: its own sequence, and its own seed so the samples differ."""
+    import msgspec
+
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+class LLM:
+    """`LLM()` loads the embedded SmolLM2-135M-Instruct; `LLM(path)` a GGUF file or HF directory."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = get_tokenizer(model)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.engine = EngineCore(self.config, InProcessExecutor(self.config))
+        self._request_ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+                       for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in conversations]
+        token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def _run(self, texts: list[str | None], token_lists: list[list[int]],
+             sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_lists)
+        results: list[RequestOutput] = []
+        states: dict[str, tuple[RequestOutputState, CompletionOutput]] = {}
+        requests = []
+        for text, tokens, params in zip(texts, token_lists, params_list):
+            params.validate(self.config.max_logprobs)
+            request_id = str(next(self._request_ids))
+            outputs = [CompletionOutput(index=i) for i in range(params.n)]
+            results.append(RequestOutput(request_id, text, tokens, outputs))
+            for i, output in enumerate(outputs):
+                child = child_params(params, i)
+                engine_request = EngineRequest(f"{request_id}-{i}", tokens, child, time.time())
+                self.engine.validate(engine_request)
+                requests.append(engine_request)
+                states[engine_request.request_id] = (
+                    RequestOutputState(child, self.tokenizer, self.token_texts), output)
+        for request in requests:
+            self.engine.add_request(request)
+        progress = tqdm(total=len(requests), disable=not use_tqdm, desc="generating")
+        while self.engine.has_work():
+            for delta in self.engine.step():
+                state, output = states[delta.request_id]
+                chunk = state.update(delta)
+                _accumulate(output, chunk)
+                if chunk.finish_reason is not None:
+                    progress.update(1)
+                    if delta.finish_reason is None:  # a stop string ended it on this side
+                        self.engine.abort([delta.request_id])
+        progress.close()
+        return results
+
+
+def _accumulate(output: CompletionOutput, chunk) -> None:
+    output.text += chunk.text
+    output.token_ids.extend(chunk.token_ids)
+    if chunk.logprobs is not None:
+        output.logprobs = (output.logprobs or []) + chunk.logprobs
+    if chunk.sampling_mask is not None:
+        output.sampling_mask = (output.sampling_mask or []) + chunk.sampling_mask
+        output.sampling_logz = (output.sampling_logz or []) + chunk.sampling_logz
+    if chunk.finish_reason is not None:
+        output.finish_reason = chunk.finish_reason
+        output.stop_reason = chunk.stop_reason

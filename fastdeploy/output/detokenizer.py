@@ -1,0 +1,79 @@
+"""Incremental detokenization and per-token text for logprobs."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from transformers import PreTrainedTokenizerBase
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes)}
+
+
+class TokenTexts:
+    """Text and raw bytes of single tokens, cached, for OpenAI logprob entries."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._text[token_id] = text
+        return text
+
+    def raw_bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            decoder = _byte_decoder()
+            if piece is not None and all(ch in decoder for ch in piece):
+                raw = [decoder[ch] for ch in piece]
+            else:
+                raw = list(self.text(token_id).encode("utf-8"))
+            self._bytes[token_id] = raw
+        return raw
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list, emitting only complete characters.
+
+    Decoding a short window (prefix_offset..end) rather than the whole output keeps
+    each step O(window) while still letting merges across token boundaries settle.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full_text[len(prefix_text):]
+        return ""

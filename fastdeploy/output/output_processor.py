@@ -1,0 +1,103 @@
+"""Per-request output state on the caller's side: text, stop strings, logprob entries, masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from fastdeploy.engine.request import RequestDelta
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+@dataclass
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class OutputChunk:
+    """What a request gained from one engine delta, ready to format or accumulate."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    sampling_mask: list[list[int] | None] | None
+    sampling_logz: list[float] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    error: str | None
+    num_prompt_tokens: int
+
+
+class RequestOutputState:
+    """Turns one sequence's engine deltas into text chunks, applying stop strings.
+
+    With stop strings, up to (longest stop - 1) characters are held back until it is
+    clear they do not start a stop string, so a stream never emits text it must retract.
+    """
+
+    def __init__(self, params: SamplingParams, tokenizer: PreTrainedTokenizerBase, token_texts: TokenTexts) -> None:
+        self.params = params
+        self.token_texts = token_texts
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.decoded = ""  # everything decoded so far
+        self.emitted = 0  # characters of `decoded` already handed out
+        self.finished = False
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def _logprob_entries(self, delta: RequestDelta) -> list[TokenLogprob] | None:
+        if self.params.logprobs is None or delta.logprobs is None:
+            return None
+        k = self.params.logprobs
+        texts = self.token_texts
+        entries = []
+        for ids, values in zip(delta.logprob_token_ids, delta.logprobs):
+            top = [TopLogprob(t, texts.text(t), v, texts.raw_bytes(t)) for t, v in zip(ids[1:k + 1], values[1:k + 1])]
+            entries.append(TokenLogprob(ids[0], texts.text(ids[0]), values[0], texts.raw_bytes(ids[0]), top))
+        return entries
+
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        best = None
+        for stop in self.params.stop:
+            index = self.decoded.find(stop, max(0, search_from - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def update(self, delta: RequestDelta) -> OutputChunk:
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        search_from = len(self.decoded)
+        self.decoded += self.detokenizer.add(delta.token_ids)
+        end = len(self.decoded)
+        hit = self._find_stop(search_from) if self.params.stop else None
+        if hit is not None:
+            index, stop = hit
+            end = index + len(stop) if self.params.include_stop_str_in_output else index
+            self.decoded = self.decoded[:end]
+            finish_reason, stop_reason = "stop", stop
+        elif finish_reason is None:
+            end = max(self.emitted, end - self._holdback)
+        text = self.decoded[self.emitted:end]
+        self.emitted = end
+        self.finished = finish_reason is not None
+        return OutputChunk(
+            text=text,
+            token_ids=delta.token_ids,
+            logprobs=self._logprob_entries(delta),
+            sampling_mask=delta.sampling_mask,
+            sampling_logz=delta.logz,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            error=delta.error,
+            num_prompt_tokens=delta.num_prompt_tokens,
+        )

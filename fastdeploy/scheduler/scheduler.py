@@ -1,0 +1,117 @@
+"""Continuous batching with chunked prefill, a token budget and recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from fastdeploy.config import SchedulerConfig
+from fastdeploy.scheduler.block_manager import BlockManager, blocks_needed
+from fastdeploy.scheduler.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """A token is sampled once the chunk reaches the end of the known tokens."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerStep:
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens fits in the whole pool."""
+        return blocks_needed(num_tokens, self.block_manager.block_size) <= self.block_manager.num_blocks
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence that stopped or was aborted, wherever it is."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.block_manager.free(seq.block_ids)
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute: drop the KV, keep the generated tokens; the sequence re-prefills
+        # prompt + output when it is scheduled again, ahead of newer arrivals.
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_ids)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerStep:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        scheduled_ids: set[int] = set()
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + num
+            while not self.block_manager.can_grow(seq.block_ids, target):
+                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, target):
+                continue
+            self.block_manager.grow(seq.block_ids, target)
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, num)
+            (decodes if num == 1 and chunk.samples else prefills).append(chunk)
+            scheduled_ids.add(seq.seq_id)
+            budget -= num
+
+        # New work only when nothing had to be preempted, so admission cannot thrash.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num = min(seq.num_uncomputed_tokens, budget)
+            # Admit only with room for the whole known sequence plus its next token,
+            # so a fresh admission does not immediately force a preemption.
+            if not self.block_manager.can_grow([], seq.num_tokens + 1):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.block_manager.grow(seq.block_ids, seq.num_computed_tokens + num)
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, num)
+            (decodes if num == 1 and chunk.samples else prefills).append(chunk)
+            budget -= num
+
+        return SchedulerStep(chunks=decodes + prefills, preempted=preempted)
+
+    def on_step_done(self, step: SchedulerStep) -> None:
+        for chunk in step.chunks:
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens

@@ -1,0 +1,219 @@
+"""Runs one step on the device: inputs → model → logits → sampler → packed frame."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fastdeploy.config import EngineConfig, ModelConfig
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
+from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, SamplerOutput
+from fastdeploy.model_executor.layers.sample.sampler import Sampler
+from fastdeploy.model_executor.model_loader import get_model
+from fastdeploy.output.step_frame import StepFrame, pack_step_frame
+from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class WorkerSequence:
+    """Device-side state the worker keeps for a sequence between steps."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    return_sampling_mask: bool
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerInfo:
+    """What the engine learns from the worker once it is up."""
+
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_position_embeddings: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        self.model, self.model_config = get_model(
+            config.model, config.load_format, dtype=self.dtype, device=config.device, seed=config.seed
+        )
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or max(
+            1,
+            config.cache.kv_cache_memory_bytes
+            // kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype),
+        )
+        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.sampler = Sampler()
+        self.sequences: dict[int, WorkerSequence] = {}
+
+    @property
+    def info(self) -> WorkerInfo:
+        mc: ModelConfig = self.model_config
+        return WorkerInfo(self.num_blocks, self.block_size, mc.vocab_size, list(mc.eos_token_ids),
+                          mc.max_position_embeddings)
+
+    def _register(self, new: NewSequence) -> None:
+        generator = None
+        if new.params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
+        self.sequences[new.seq_id] = WorkerSequence(
+            new.prompt_token_ids, new.params, new.return_sampling_mask, generator
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> bytes:
+        for seq_id in step.freed_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in step.new_sequences:
+            self._register(new)
+        if not step.chunks:
+            return pack_step_frame(_empty_frame(step.message_id))
+
+        input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(step.chunks)
+        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+        sampled_chunks = [step.chunks[i] for i, _ in sample_rows]
+        if not sampled_chunks:
+            return pack_step_frame(_empty_frame(step.message_id))
+        last_token_index = torch.tensor([row for _, row in sample_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[last_token_index]).float()
+        states = [self.sequences[c.seq_id] for c in sampled_chunks]
+        output = self.sampler(logits, self._sampling_metadata(states))
+        sampled = output.sampled_token_ids.tolist()
+        for state, token in zip(states, sampled):
+            state.output_token_ids.append(token)
+        return pack_step_frame(_frame_from_output(step.message_id, sampled_chunks, output))
+
+    def _prepare_inputs(
+        self, chunks: list[ChunkInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        sample_rows: list[tuple[int, int]] = []  # (chunk index, flat index of its last token)
+        bs = self.block_size
+        for i, chunk in enumerate(chunks):
+            start = len(token_ids)
+            n = len(chunk.token_ids)
+            token_ids.extend(chunk.token_ids)
+            pos = range(chunk.start, chunk.start + n)
+            positions.extend(pos)
+            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in pos)
+            context_len = chunk.start + n
+            # The step input lists decode chunks first, so decodes form a prefix.
+            if n == 1 and chunk.sample and not prefills:
+                decode_tables.append(chunk.block_ids)
+                decode_lens.append(context_len)
+            else:
+                table = torch.tensor(chunk.block_ids[: (context_len + bs - 1) // bs], dtype=torch.long,
+                                     device=self.device)
+                prefills.append(PrefillSeq(start, n, context_len, table))
+            if chunk.sample:
+                sample_rows.append((i, start + n - 1))
+        width = max((len(t) for t in decode_tables), default=0)
+        decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
+                                           device=self.device).reshape(len(decode_tables), width)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=decode_block_tables,
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            prefills=prefills,
+            block_size=bs,
+        )
+        return (
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            metadata,
+            sample_rows,
+        )
+
+    def _sampling_metadata(self, states: list[WorkerSequence]) -> SamplingMetadata:
+        dev = self.device
+        params = [s.params for s in states]
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        needs_history = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+        )
+        prompt_ids = output_ids = None
+        if needs_history:
+            prompt_ids = _pad([s.prompt_token_ids for s in states], dev)
+            output_ids = _pad([s.output_token_ids for s in states], dev)
+        bias_rows, bias_cols, bias_values = [], [], []
+        for row, p in enumerate(params):
+            for token_id, bias in p.logit_bias.items():
+                bias_rows.append(row)
+                bias_cols.append(int(token_id))
+                bias_values.append(bias)
+        has_bias = bool(bias_rows)
+        wants_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        wants_mask = [s.return_sampling_mask for s in states]
+        return SamplingMetadata(
+            temperature=column([p.temperature for p in params], torch.float32),
+            top_k=column([p.effective_top_k for p in params], torch.long),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
+            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            logit_bias_rows=column(bias_rows, torch.long) if has_bias else None,
+            logit_bias_cols=column(bias_cols, torch.long) if has_bias else None,
+            logit_bias_values=column(bias_values, torch.float32) if has_bias else None,
+            generators=[s.generator for s in states],
+            max_num_logprobs=max(wants_logprobs, default=-1),
+            logprobs_mode=self.config.logprobs_mode,
+            return_sampling_mask=column(wants_mask, torch.bool) if any(wants_mask) else None,
+        )
+
+
+def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _empty_frame(message_id: int) -> StepFrame:
+    return StepFrame(message_id, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64))
+
+
+def _frame_from_output(message_id: int, chunks: list[ChunkInput], out: SamplerOutput) -> StepFrame:
+    """One accepted token per sampled sequence (speculative steps accept more)."""
+    frame = StepFrame(
+        message_id=message_id,
+        seq_ids=np.array([c.seq_id for c in chunks], dtype=np.int64),
+        num_tokens=np.ones(len(chunks), dtype=np.int32),
+        token_ids=out.sampled_token_ids.cpu().numpy(),
+    )
+    if out.logprobs is not None:
+        frame.lp_ids = out.logprob_token_ids.cpu().numpy()
+        frame.lp_values = out.logprobs.cpu().numpy()
+        frame.ranks = out.sampled_token_ranks.cpu().numpy()
+    if out.mask_offsets is not None:
+        frame.mask_offsets = out.mask_offsets.cpu().numpy()
+        frame.mask_ids = out.mask_ids.cpu().numpy()
+        frame.logz = out.logz.cpu().numpy()
+    return frame
