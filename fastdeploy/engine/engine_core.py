@@ -6,6 +6,7 @@ import itertools
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.executor import Executor
+from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.engine.sampling_params import ParameterError
 from fastdeploy.output.token_processor import TokenProcessor
@@ -20,11 +21,12 @@ class EngineCore:
         self.config = config
         self.executor = executor
         info = executor.info
-        self.vocab_size = info.vocab_size
         self.max_model_len = min(config.scheduler.max_model_len, info.max_position_embeddings)
         self.block_manager = BlockManager(info.num_blocks, info.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
+        self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
+                                   config.enable_keep_sampling_mask, info.num_blocks * info.block_size)
         self.sequences: dict[int, Sequence] = {}
         self.by_request_id: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -34,31 +36,7 @@ class EngineCore:
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ParameterError for a request that must be refused before it is queued."""
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise ParameterError("the prompt is empty", "prompt")
-        if num_prompt >= self.max_model_len:
-            raise ParameterError(
-                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens "
-                "and at least one must be left for the completion",
-                "messages" if request.request_id.startswith("chatcmpl") else "prompt",
-            )
-        if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
-            raise ParameterError("the prompt holds a token id outside the vocabulary", "prompt")
-        request.params.validate(self.config.max_logprobs, self.vocab_size)
-        if request.params.return_sampling_mask and not self.config.enable_keep_sampling_mask:
-            raise ParameterError(
-                "return_sampling_mask needs the server to run with --enable-keep-sampling-mask",
-                "return_sampling_mask",
-            )
-        max_tokens = request.params.max_tokens or self.max_model_len
-        longest = min(num_prompt + max_tokens, self.max_model_len)
-        if not self.scheduler.fits_ever(longest):
-            raise ParameterError(
-                f"the request needs up to {longest} tokens of KV cache but the pool holds "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size}; lower max_tokens",
-                "max_tokens",
-            )
+        self.limits.validate(request)
         if request.request_id in self.by_request_id:
             raise ParameterError(f"request id {request.request_id!r} is already running", "request_id")
 
@@ -78,6 +56,15 @@ class EngineCore:
                 self._release(seq)
                 deltas.append(RequestDelta(request_id, [], finish_reason="abort",
                                            num_prompt_tokens=len(seq.prompt_token_ids)))
+        return deltas
+
+    def fail_all(self, message: str) -> list[RequestDelta]:
+        """Finish every sequence with an error (the worker is gone)."""
+        deltas = []
+        for seq in list(self.sequences.values()):
+            self._release(seq)
+            deltas.append(RequestDelta(seq.request_id, [], finish_reason="error", error=message,
+                                       num_prompt_tokens=len(seq.prompt_token_ids)))
         return deltas
 
     def has_work(self) -> bool:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from typing import Protocol
 
+import msgspec
+import zmq
+
 from fastdeploy.config import EngineConfig
+from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput
+from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker
 
 
 class Executor(Protocol):
@@ -30,3 +37,50 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+class WorkerError(RuntimeError):
+    """The worker failed a step or died; in-flight sequences cannot continue."""
+
+
+class WorkerProcessExecutor:
+    """Serving: the model runner lives in a worker process reached over a ZMQ PAIR socket."""
+
+    def __init__(self, config: EngineConfig, ipc_dir: str, startup_timeout_s: float = 600.0,
+                 step_timeout_s: float = 600.0) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self.step_timeout_s = step_timeout_s
+        self.ctx = zmq.Context()
+        self.sock = socket(self.ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=True)
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_worker, args=(config, ipc_dir, os.getpid()), daemon=True,
+                                     name="fastdeploy-worker")
+        self.process.start()
+        kind, payload = self._recv(startup_timeout_s)
+        if kind != INFO:
+            raise WorkerError(f"worker failed to start:\n{payload.decode()}")
+        self.info = msgspec.msgpack.decode(payload, type=WorkerInfo)
+
+    def _recv(self, timeout_s: float) -> tuple[bytes, bytes]:
+        try:
+            kind, payload = recv_with_liveness(self.sock, self.process.pid, timeout_s)
+        except (PeerDiedError, TimeoutError) as exc:
+            raise WorkerError(f"worker process lost: {exc}") from exc
+        return kind, payload
+
+    def execute(self, step: StepInput) -> bytes:
+        self.sock.send_multipart([STEP, self._encoder.encode(step)])
+        kind, payload = self._recv(self.step_timeout_s)
+        if kind != FRAME:
+            raise WorkerError(f"worker step failed:\n{payload.decode()}")
+        return payload
+
+    def shutdown(self) -> None:
+        if self.process.is_alive():
+            self.sock.send_multipart([SHUTDOWN])
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout=5)
+        self.sock.close()
+        self.ctx.term()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
 
 
-class EngineOutputs(msgspec.Struct, array_like=True):
+class EngineOutputs(msgspec.Struct, array_like=True, tag=True):
     """All deltas of one engine step, sent as one message."""
 
     deltas: list[RequestDelta]
@@ -55,3 +56,19 @@ class EngineOutputs(msgspec.Struct, array_like=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag=True):
+    """First message from the engine process: the model is loaded and these are its limits."""
+
+    limits: EngineLimits
+    worker_pid: int
+
+
+class EngineDead(msgspec.Struct, array_like=True, tag=True):
+    """Last message from an engine process that cannot go on (worker died, failed start)."""
+
+    message: str
+
+
+EngineMessage = EngineReady | EngineOutputs | EngineDead

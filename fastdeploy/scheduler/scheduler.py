@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from fastdeploy.config import SchedulerConfig
-from fastdeploy.scheduler.block_manager import BlockManager, blocks_needed
+from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.sequence import Sequence, SeqStatus
 
 
@@ -34,10 +34,6 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-
-    def fits_ever(self, num_tokens: int) -> bool:
-        """Whether a sequence of `num_tokens` tokens fits in the whole pool."""
-        return blocks_needed(num_tokens, self.block_manager.block_size) <= self.block_manager.num_blocks
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

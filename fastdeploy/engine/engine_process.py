@@ -1,0 +1,102 @@
+"""The engine process: scheduler + token processor, between the API server and the worker."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import WorkerError, WorkerProcessExecutor
+from fastdeploy.engine.request import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineInput,
+    EngineOutputs,
+    EngineReady,
+    RequestDelta,
+)
+from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.ipc import endpoint, process_alive, socket
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
+GAUGE_INTERVAL_S = 1.0
+
+
+def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int) -> None:
+    """Entry point of the engine process (spawned by the API server)."""
+    stopping = False
+
+    def on_sigterm(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API server, which stops us
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    in_sock = socket(ctx, zmq.PULL, endpoint(ipc_dir, "engine_in"), bind=True)
+    out_sock = socket(ctx, zmq.PUSH, endpoint(ipc_dir, "engine_out"), bind=True)
+    encoder = msgspec.msgpack.Encoder()
+    executor = None
+    try:
+        try:
+            executor = WorkerProcessExecutor(config, ipc_dir)
+            core = EngineCore(config, executor)
+        except Exception:
+            out_sock.send(encoder.encode(EngineDead(traceback.format_exc())))
+            return
+        out_sock.send(encoder.encode(EngineReady(core.limits, executor.process.pid)))
+        _serve(core, in_sock, out_sock, encoder, client_pid, lambda: stopping)
+    finally:
+        if executor is not None:
+            executor.shutdown()
+        in_sock.close()
+        out_sock.close()
+        ctx.term()
+
+
+def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+           client_pid: int, stopping) -> None:
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+    last_sent = 0.0
+    while not stopping():
+        deltas: list[RequestDelta] = []
+        timeout = 0 if core.has_work() else IDLE_POLL_MS
+        while in_sock.poll(timeout):
+            timeout = 0
+            message = decoder.decode(in_sock.recv())
+            if isinstance(message, AddRequest):
+                try:
+                    core.add_request(message.request)
+                except ParameterError as exc:
+                    deltas.append(RequestDelta(message.request.request_id, [], finish_reason="error", error=str(exc)))
+            elif isinstance(message, AbortRequests):
+                deltas.extend(core.abort(message.request_ids))
+        if not process_alive(client_pid):
+            logger.warning("API server %d is gone; engine exits", client_pid)
+            return
+        dead_message = None
+        if core.has_work():
+            try:
+                deltas.extend(core.step())
+            except WorkerError as exc:
+                logger.error("%s", exc)
+                dead_message = str(exc)
+                deltas.extend(core.fail_all(dead_message))
+        now = time.monotonic()
+        if deltas or now - last_sent > GAUGE_INTERVAL_S:
+            outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, core.block_manager.usage)
+            out_sock.send(encoder.encode(outputs))
+            last_sent = now
+        if dead_message is not None:
+            out_sock.send(encoder.encode(EngineDead(dead_message)))
+            return

@@ -1,0 +1,59 @@
+"""ZMQ plumbing shared by the API server, the engine and the worker.
+
+Endpoints are ipc:// sockets inside a private (0700) directory. Every receive
+polls with a timeout and checks that the peer process is still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import psutil
+import zmq
+
+
+def make_ipc_dir() -> str:
+    path = tempfile.mkdtemp(prefix="fastdeploy-")
+    os.chmod(path, 0o700)
+    return path
+
+
+def endpoint(ipc_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, name)}"
+
+
+def socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class PeerDiedError(RuntimeError):
+    pass
+
+
+def recv_with_liveness(sock: zmq.Socket, peer_pid: int, timeout_s: float | None, poll_ms: int = 100) -> list[bytes]:
+    """Receive one multipart message, raising PeerDiedError if the peer exits and TimeoutError past `timeout_s`."""
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if sock.poll(poll_ms):
+            return sock.recv_multipart(copy=True)
+        if not process_alive(peer_pid):
+            raise PeerDiedError(f"process {peer_pid} exited")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no message from process {peer_pid} in {timeout_s:.0f} s")
