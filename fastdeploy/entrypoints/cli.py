@@ -1,0 +1,22 @@
+"""`fastdeploy` command line: `fastdeploy serve [MODEL] [options]`."""
+
+from __future__ import annotations
+
+import sys
+
+from fastdeploy.entrypoints.openai.api_server import main as serve_main
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print("usage: fastdeploy serve [MODEL] [options]   (fastdeploy serve --help for the options)")
+        sys.exit(0 if len(sys.argv) >= 2 else 2)
+    command, rest = sys.argv[1], sys.argv[2:]
+    if command != "serve":
+        print(f"fastdeploy: unknown command {command!r}; try 'fastdeploy serve --help'", file=sys.stderr)
+        sys.exit(2)
+    serve_main(rest)
+
+
+if __name__ == "__main__":
+    main()

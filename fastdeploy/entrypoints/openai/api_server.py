@@ -1,0 +1,139 @@
+"""The OpenAI-compatible HTTP server: `python -m fastdeploy.entrypoints.openai.api_server`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import os
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.engine_client import AsyncEngineClient
+from fastdeploy.entrypoints.openai.errors import APIError
+from fastdeploy.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.model_executor.model_loader import get_tokenizer
+
+logger = logging.getLogger("fastdeploy.api_server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastdeploy serve",
+                                     description="Serve a model through an OpenAI-compatible HTTP API.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("FASTDEPLOY_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (or set FASTDEPLOY_API_KEY)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use; default: the model file's stem")
+    parser.add_argument("--log-level", default="info")
+    return EngineArgs.add_cli_args(parser)
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model is None:
+        return [DEFAULT_MODEL_NAME]
+    return [os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]]
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    names = served_names(args)
+    metrics = ServerMetrics()
+    client = AsyncEngineClient(config)
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tokenizer = get_tokenizer(args.model)
+        await client.start()
+        state["chat"] = OpenAIServingChat(client, tokenizer, names, metrics)
+        state["completion"] = OpenAIServingCompletion(client, tokenizer, names, metrics)
+        logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="fastdeploy", lifespan=lifespan)
+    app.state.client = client
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        return APIError(400, message, "invalid_request_error", loc[0] if loc else None).response()
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if args.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if not hmac.compare_digest(header.encode(), f"Bearer {args.api_key}".encode()):
+                return APIError(401, "invalid or missing API key", "authentication_error", None,
+                                "invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.healthy:
+            return Response(status_code=200)
+        return APIError(503, f"engine unavailable: {client.dead_reason}", "service_unavailable").response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.running.set(client.num_running)
+        metrics.waiting.set(client.num_waiting)
+        metrics.kv_usage.set(client.kv_usage)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": created,
+                                            "owned_by": "fastdeploy"} for n in names]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await state["chat"].create(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await state["completion"].create(request, raw_request)
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_server(make_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

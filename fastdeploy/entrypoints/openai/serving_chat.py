@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fastdeploy.entrypoints.openai.errors import APIError, bad_request
+from fastdeploy.entrypoints.openai.formatting import ChoiceAccumulator, chat_logprobs, extra_fields, sse, usage
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+
+
+class OpenAIServingChat(OpenAIServing):
+    def _prompt_tokens(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # template errors are the caller's messages, not ours
+            raise bad_request(f"messages cannot be formatted with the chat template: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        params = self.sampling_params(request)
+        prompt = self._prompt_tokens(request)
+        request_id = new_request_id("chatcmpl")
+        engine_requests = self.engine_requests(request_id, [prompt], params, "messages")
+        model = request.model or self.served_model_names[0]
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, model, prompt, engine_requests),
+                                     media_type="text/event-stream")
+        return await until_disconnected(raw_request, self._full(request, request_id, model, prompt, engine_requests))
+
+    async def _full(self, request, request_id, model, prompt, engine_requests) -> JSONResponse:
+        choices = [ChoiceAccumulator() for _ in engine_requests]
+        async for event in self.run_choices(engine_requests):
+            choices[event.index].add(event.chunk)
+        for choice in choices:
+            if choice.finish_reason == "error":
+                status = 503 if not self.client.healthy else 500
+                raise APIError(status, choice.error or "generation failed", "server_error")
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    **extra_fields(c, request.return_token_ids),
+                }
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices)),
+        }
+        if request.return_token_ids:
+            body["prompt_token_ids"] = prompt
+        return JSONResponse(body)
+
+    async def _stream(self, request, request_id, model, prompt, engine_requests) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict], **extra) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices, **extra}
+
+        first = {"prompt_token_ids": prompt} if request.return_token_ids else {}
+        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(engine_requests))], **first))
+        completion_tokens = 0
+        try:
+            async for event in self.run_choices(engine_requests):
+                c = event.chunk
+                if c.finish_reason == "error":
+                    status = 503 if not self.client.healthy else 500
+                    yield sse(APIError(status, c.error or "generation failed", "server_error").body())
+                    break
+                completion_tokens += len(c.token_ids)
+                choice = {
+                    "index": event.index,
+                    "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    **extra_fields(c, request.return_token_ids),
+                }
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield sse(chunk([choice]))
+            else:
+                if request.stream_options and request.stream_options.include_usage:
+                    yield sse(chunk([], usage=usage(len(prompt), completion_tokens)))
+        except APIError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")

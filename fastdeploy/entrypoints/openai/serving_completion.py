@@ -1,0 +1,101 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fastdeploy.entrypoints.openai.errors import APIError
+from fastdeploy.entrypoints.openai.formatting import (
+    ChoiceAccumulator,
+    completion_logprobs,
+    extra_fields,
+    sse,
+    usage,
+)
+from fastdeploy.entrypoints.openai.protocol import CompletionRequest
+from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        params = self.sampling_params(request)
+        prompts = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+                   for p in request.prompts()]
+        request_id = new_request_id("cmpl")
+        engine_requests = self.engine_requests(request_id, prompts, params, "prompt")
+        model = request.model or self.served_model_names[0]
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, model, prompts, engine_requests),
+                                     media_type="text/event-stream")
+        return await until_disconnected(raw_request,
+                                        self._full(request, request_id, model, prompts, engine_requests))
+
+    async def _full(self, request, request_id, model, prompts, engine_requests) -> JSONResponse:
+        choices = [ChoiceAccumulator() for _ in engine_requests]
+        async for event in self.run_choices(engine_requests):
+            choices[event.index].add(event.chunk)
+        for choice in choices:
+            if choice.finish_reason == "error":
+                status = 503 if not self.client.healthy else 500
+                raise APIError(status, choice.error or "generation failed", "server_error")
+        body = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    **extra_fields(c, request.return_token_ids),
+                }
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage(sum(len(p) for p in prompts), sum(len(c.token_ids) for c in choices)),
+        }
+        if request.return_token_ids:
+            n = request.n
+            for i, choice in enumerate(body["choices"]):
+                choice["prompt_token_ids"] = prompts[i // n]
+        return JSONResponse(body)
+
+    async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncIterator[str]:
+        created = int(time.time())
+        text_offsets = [0] * len(engine_requests)
+        completion_tokens = 0
+        try:
+            async for event in self.run_choices(engine_requests):
+                c = event.chunk
+                if c.finish_reason == "error":
+                    status = 503 if not self.client.healthy else 500
+                    yield sse(APIError(status, c.error or "generation failed", "server_error").body())
+                    break
+                completion_tokens += len(c.token_ids)
+                choice = {
+                    "index": event.index,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(c.logprobs, text_offsets[event.index])
+                    if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    **extra_fields(c, request.return_token_ids),
+                }
+                text_offsets[event.index] += len(c.text)
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [choice]})
+            else:
+                if request.stream_options and request.stream_options.include_usage:
+                    yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": usage(sum(len(p) for p in prompts), completion_tokens)})
+        except APIError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")

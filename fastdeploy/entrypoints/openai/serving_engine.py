@@ -1,0 +1,141 @@
+"""What chat and completions share: validation, fan-out of n choices, output state per choice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import Request
+
+from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
+from fastdeploy.engine.request import EngineRequest
+from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
+from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
+from fastdeploy.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy.entrypoints.openai.protocol import CommonRequest
+from fastdeploy.output.detokenizer import TokenTexts
+from fastdeploy.output.output_processor import OutputChunk, RequestOutputState
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    chunk: OutputChunk
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncEngineClient, tokenizer, served_model_names: list[str],
+                 metrics: ServerMetrics) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
+        self.served_model_names = served_model_names
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
+
+    def sampling_params(self, request: CommonRequest) -> SamplingParams:
+        try:
+            params = request.to_sampling_params()
+        except ParameterError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        if params.n > 16:
+            raise bad_request("n must be at most 16", "n")
+        return params
+
+    def engine_requests(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                        prompt_param: str) -> list[EngineRequest]:
+        """One engine request per (prompt, choice); validated here so a bad one is a 400, not a stream error."""
+        if not self.client.healthy:
+            raise engine_unavailable(f"the engine is not available: {self.client.dead_reason}")
+        now = time.time()
+        requests = []
+        for p, tokens in enumerate(prompts):
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                child = msgspec.structs.replace(params, n=1, seed=seed)
+                requests.append(EngineRequest(f"{request_id}-{p}-{i}", tokens, child, now))
+        for engine_request in requests:
+            try:
+                self.client.limits.validate(engine_request, prompt_param)
+            except ParameterError as exc:
+                raise bad_request(str(exc), exc.param) from None
+        return requests
+
+    async def run_choices(self, requests: list[EngineRequest]) -> AsyncIterator[ChoiceEvent]:
+        """Merge the deltas of all choices as they come, index = position in `requests`."""
+        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, engine_request: EngineRequest) -> None:
+            state = RequestOutputState(engine_request.params, self.tokenizer, self.token_texts)
+            arrival = time.monotonic()
+            last = None
+            try:
+                async with contextlib.aclosing(self.client.generate(engine_request)) as deltas:
+                    async for delta in deltas:
+                        chunk = state.update(delta)
+                        now = time.monotonic()
+                        if chunk.token_ids:
+                            if last is None:
+                                self.metrics.ttft.observe(now - arrival)
+                                self.metrics.prompt_tokens.inc(chunk.num_prompt_tokens)
+                            else:
+                                self.metrics.itl.observe(now - last)
+                            last = now
+                            self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                        await queue.put(ChoiceEvent(index, chunk))
+                        if chunk.finish_reason is not None:
+                            self.metrics.requests.labels(chunk.finish_reason).inc()
+                            break
+            except BaseException as exc:  # surfaced to the consumer; cancellation included
+                await queue.put(exc)
+                raise
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, EngineDeadError):
+                    raise engine_unavailable(str(item))
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(raw_request: Request, work: asyncio.Future):
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw_request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
