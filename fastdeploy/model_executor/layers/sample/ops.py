@@ -1,0 +1,127 @@
+"""Logit-processing steps of the sampler, each small and testable on its own.
+
+All functions take logits of shape [B, V] (float32) and work on the whole batch at
+once: no Python loop over rows, the vocabulary, or history tokens. Functions whose
+name ends in ``_`` modify ``logits`` in place and also return it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_logit_bias_(
+    logits: torch.Tensor,
+    rows: torch.Tensor | None,
+    cols: torch.Tensor | None,
+    values: torch.Tensor | None,
+) -> torch.Tensor:
+    """Add a sparse bias given as COO triples, in place.
+
+    Args:
+        logits: float32 [B, V].
+        rows, cols: int64 [M] row / vocabulary indices.
+        values: float32 [M]. Duplicate (row, col) pairs add up (accumulate=True).
+    """
+    if rows is None or cols is None or values is None or rows.numel() == 0:
+        return logits
+    logits.index_put_((rows, cols), values.to(logits.dtype), accumulate=True)
+    return logits
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack an int32 [B, ceil(V / 32)] bitmask into bool [B, V] (True = allowed).
+
+    Bit j of word j // 32 (least significant bit first) describes token j. Words
+    may be narrower than V / 32 only if the caller padded; columns past the last
+    word count as disallowed.
+    """
+    b, w = bitmask.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    # Arithmetic shift of a negative word sign-extends, but `& 1` keeps only bit j.
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    allowed = bits.reshape(b, w * 32).bool()
+    if w * 32 >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(b, vocab_size - w * 32, dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Set disallowed tokens to -inf, in place. bitmask: int32 [B, ceil(V / 32)] or None."""
+    if bitmask is None:
+        return logits
+    allowed = unpack_token_bitmask(bitmask.to(logits.device), logits.shape[1])
+    logits.masked_fill_(~allowed, float("-inf"))
+    return logits
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-row occurrence counts of -1-padded ids.
+
+    Args:
+        token_ids: int64 [B, L], right-padded with -1 (any negative id is padding).
+    Returns:
+        int32 [B, V] counts.
+    """
+    b = token_ids.shape[0]
+    # Padding goes to an extra column V that is dropped afterwards, so the scatter
+    # needs no boolean compaction.
+    ids = torch.where(token_ids < 0, torch.full_like(token_ids, vocab_size), token_ids)
+    counts = torch.zeros(b, vocab_size + 1, dtype=torch.int32, device=token_ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties_(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: torch.Tensor | None,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Apply repetition, then frequency and presence penalties, in place.
+
+    - Repetition penalty (HF / vLLM): for every token seen in prompt or output,
+      a positive logit is divided by the penalty, a non-positive one multiplied.
+    - Frequency / presence (OpenAI): over output tokens only,
+      ``logit -= frequency * count + presence * (count > 0)``.
+
+    Args:
+        logits: float32 [B, V].
+        prompt_token_ids, output_token_ids: int64 [B, P] / [B, O], -1-padded, or None.
+        repetition_penalty, presence_penalty, frequency_penalty: float32 [B].
+    """
+    vocab = logits.shape[1]
+    out_counts = token_counts(output_token_ids, vocab) if output_token_ids is not None else None
+
+    if prompt_token_ids is not None or out_counts is not None:
+        rep = repetition_penalty.to(logits.dtype).unsqueeze(1)
+        if bool((rep != 1.0).any()):
+            seen = out_counts > 0 if out_counts is not None else None
+            if prompt_token_ids is not None:
+                prompt_seen = token_counts(prompt_token_ids, vocab) > 0
+                seen = prompt_seen if seen is None else (seen | prompt_seen)
+            penalised = torch.where(logits > 0, logits / rep, logits * rep)
+            logits.copy_(torch.where(seen, penalised, logits))
+
+    if out_counts is not None:
+        freq = frequency_penalty.to(logits.dtype).unsqueeze(1)
+        pres = presence_penalty.to(logits.dtype).unsqueeze(1)
+        if bool((freq != 0).any()) or bool((pres != 0).any()):
+            c = out_counts.to(logits.dtype)
+            logits.sub_(freq * c + pres * (out_counts > 0).to(logits.dtype))
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Return logits / temperature (new tensor); greedy rows (temperature <= 0) are divided by 1.
+
+    Args:
+        logits: float32 or float64 [B, V].
+        temperature: float32 [B].
+    """
+    t = temperature.to(logits.dtype)
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    return logits / t.unsqueeze(1)
