@@ -15,11 +15,13 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int
+    # A token is sampled once the chunk reaches the end of the known tokens.
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """A token is sampled once the chunk reaches the end of the known tokens."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+
+def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    start = seq.num_computed_tokens
+    return ScheduledChunk(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
 @dataclass
@@ -85,7 +87,7 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, target):
                 continue
             self.block_manager.grow(seq.block_ids, target)
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, num)
+            chunk = _chunk(seq, num)
             (decodes if num == 1 and chunk.samples else prefills).append(chunk)
             scheduled_ids.add(seq.seq_id)
             budget -= num
@@ -102,7 +104,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.block_manager.grow(seq.block_ids, seq.num_computed_tokens + num)
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, num)
+            chunk = _chunk(seq, num)
             (decodes if num == 1 and chunk.samples else prefills).append(chunk)
             budget -= num
 
