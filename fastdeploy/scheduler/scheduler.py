@@ -36,6 +36,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,6 +60,7 @@ class Scheduler:
         self.block_manager.free(seq.block_ids)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -84,7 +84,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
-        return APIError(400, message, "invalid_request_error", loc[0] if loc else None).response()
+        param = None if first.get("type") == "json_invalid" or not loc else loc[0]
+        return APIError(400, message, "invalid_request_error", param).response()
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):

@@ -1,0 +1,135 @@
+"""The API server's side of the engine socket: submit requests, route deltas, watch health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.engine_process import run_engine
+from fastdeploy.engine.limits import EngineLimits
+from fastdeploy.engine.request import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    RequestDelta,
+)
+from fastdeploy.ipc import endpoint, make_ipc_dir, socket
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.limits: EngineLimits | None = None
+        self.dead_reason: str | None = None
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._output_task: asyncio.Task | None = None
+        self.worker_pid: int | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None and self.limits is not None
+
+    async def start(self, startup_timeout_s: float = 600.0) -> None:
+        self.ipc_dir = make_ipc_dir()
+        self.ctx = zmq.asyncio.Context()
+        self.in_sock = socket(self.ctx, zmq.PUSH, endpoint(self.ipc_dir, "engine_in"), bind=False)
+        self.out_sock = socket(self.ctx, zmq.PULL, endpoint(self.ipc_dir, "engine_out"), bind=False)
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_engine, args=(self.config, self.ipc_dir, os.getpid()),
+                                     name="fastdeploy-engine")
+        self.process.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if await self.out_sock.poll(200):
+                message = self._decoder.decode(await self.out_sock.recv())
+                if isinstance(message, EngineReady):
+                    self.limits, self.worker_pid = message.limits, message.worker_pid
+                    break
+                if isinstance(message, EngineDead):
+                    raise EngineDeadError(f"engine failed to start:\n{message.message}")
+            if not self.process.is_alive():
+                raise EngineDeadError("engine process exited during start-up")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"engine not ready after {startup_timeout_s:.0f} s")
+        self._output_task = asyncio.create_task(self._route_outputs())
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestDelta(request_id, [], finish_reason="error", error=reason))
+
+    async def _route_outputs(self) -> None:
+        while self.dead_reason is None:
+            if await self.out_sock.poll(100):
+                message = self._decoder.decode(await self.out_sock.recv())
+                if isinstance(message, EngineOutputs):
+                    self.num_running, self.num_waiting = message.num_running, message.num_waiting
+                    self.kv_usage = message.kv_usage
+                    for delta in message.deltas:
+                        queue = self._queues.get(delta.request_id)
+                        if queue is not None:
+                            queue.put_nowait(delta)
+                elif isinstance(message, EngineDead):
+                    self._fail_all(f"engine stopped: {message.message}")
+            elif not self.process.is_alive():
+                self._fail_all("engine process exited")
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """Yield the request's deltas until it finishes; abort it if the caller stops listening."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        finished = False
+        try:
+            await self.in_sock.send(self._encoder.encode(AddRequest(request)))
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            del self._queues[request.request_id]
+            if not finished and self.dead_reason is None:
+                await self.abort([request.request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.in_sock.send(self._encoder.encode(AbortRequests(request_ids)))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        if self.process.is_alive():
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, timeout_s)
+        self.in_sock.close()
+        self.out_sock.close()
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
