@@ -91,7 +91,7 @@ def _check_batch(logits, meta) -> tuple[int, int]:
 def test_kept_set_matches_reference_small_vocab():
     rng = np.random.default_rng(1234)
     checked = 0
-    for i in range(10):
+    for i in range(9):
         logits, meta = _random_batch(rng, 256, 1000, with_bitmask=i % 3 == 0)
         c, _ = _check_batch(logits, meta)
         checked += c
@@ -104,6 +104,18 @@ def test_kept_set_matches_reference_large_vocab():
     _check_batch(logits, meta)
     logits, meta = _random_batch(rng, 6, 49152, with_bitmask=True)
     _check_batch(logits, meta)
+
+
+def test_top_p_window_and_full_sort_fallback():
+    # Peaked rows (scale 6) are decided inside the first TOP_P_WINDOW sorted entries;
+    # flat rows (scale 0.5) need the full-sort fallback. Both must match the reference.
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.tensor([6.0, 6.0, 6.0, 0.5, 0.5, 6.0, 0.5, 2.0]).unsqueeze(1)
+    logits = torch.randn(8, 49152, generator=gen) * scales
+    meta = make_meta(8, top_p=[0.5, 0.9, 0.99, 0.5, 0.9, 0.9, 0.3, 0.95], top_k=[0, 0, 0, 0, 0, 3000, 0, 0],
+                     min_p=[0.0] * 7 + [0.01], return_sampling_mask=True)
+    checked, _ = _check_batch(logits, meta)
+    assert checked == 8
 
 
 def test_exact_tie_at_top_k_boundary_is_allowed():

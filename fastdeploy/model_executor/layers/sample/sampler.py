@@ -22,7 +22,14 @@ from fastdeploy.model_executor.layers.sample.ops import (
     apply_temperature,
     apply_token_bitmask_,
 )
-from fastdeploy.model_executor.layers.sample.truncation import kept_logz, kept_set, truncation_flags
+from fastdeploy.model_executor.layers.sample.truncation import (
+    KeptWindow,
+    kept_logz,
+    kept_window,
+    scaled_lse,
+    take_rows,
+    truncation_flags,
+)
 
 NEG_INF = float("-inf")
 
@@ -51,26 +58,35 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return out
 
 
-def gumbel_noise(rows: torch.Tensor, vocab_size: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """Standard Gumbel noise, float32 [len(rows), V].
+def gumbel_noise(
+    rows: torch.Tensor,
+    vocab_size: int,
+    generators: list[torch.Generator | None],
+    device: torch.device,
+    idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard Gumbel noise for ``rows``: float32 [n, V], or [n, W] at ids ``idx`` (int64 [n, W]).
 
-    Seeded rows (``generators[row]`` not None) draw exactly V uniforms from their own
-    generator, so their noise is independent of batch composition; the others share
-    one batched draw from the default generator.
+    Seeded rows (``generators[row]`` not None) always draw exactly V uniforms from
+    their own generator (gathered at ``idx`` if given), so their noise per token is
+    independent of batch composition. Unseeded rows share one batched draw from the
+    default generator, of only W values when ``idx`` is given.
     """
     n = rows.numel()
+    width = vocab_size if idx is None else idx.shape[1]
     row_list = rows.tolist()
     seeded = [i for i, r in enumerate(row_list) if generators[r] is not None]
     if not seeded:
-        u = torch.rand(n, vocab_size, device=device)
+        u = torch.rand(n, width, device=device)
     else:
-        u = torch.empty(n, vocab_size, device=device)
+        u = torch.empty(n, width, device=device)
         unseeded = [i for i, r in enumerate(row_list) if generators[r] is None]
         if unseeded:
-            idx = torch.tensor(unseeded, device=device)
-            u.index_copy_(0, idx, torch.rand(len(unseeded), vocab_size, device=device))
+            at = torch.tensor(unseeded, device=device)
+            u.index_copy_(0, at, torch.rand(len(unseeded), width, device=device))
         for i in seeded:
-            u[i] = torch.rand(vocab_size, device=device, generator=generators[row_list[i]])
+            full = torch.rand(vocab_size, device=device, generator=generators[row_list[i]])
+            u[i] = full if idx is None else full[idx[i]]
     # g = -log(-log u). u == 0 gives g = -inf: that token just loses (probability 2^-24).
     return u.log_().neg_().log_().neg_()
 
@@ -118,40 +134,43 @@ class Sampler:
             return _empty_output(meta, device)
 
         proc = process_logits(logits, meta)  # float32 [B, V]
-        greedy = meta.temperature <= 0
-        trunc = truncation_flags(meta.top_k, meta.top_p, meta.min_p) & ~greedy
-        g_rows = greedy.nonzero().squeeze(1)
-        ng_rows = (~greedy).nonzero().squeeze(1)
-        t_rows = trunc.nonzero().squeeze(1)
-        n_g, n_ng, n_t = g_rows.numel(), ng_rows.numel(), t_rows.numel()
+        temperature = meta.temperature.to(device)
+        greedy = temperature <= 0
+        trunc = truncation_flags(meta.top_k, meta.top_p, meta.min_p).to(device) & ~greedy
+        plain = ~greedy & ~trunc
+        g_rows, t_rows, p_rows = (m.nonzero().squeeze(1) for m in (greedy, trunc, plain))
+        want_mask = meta.return_sampling_mask is not None
+        requested = meta.return_sampling_mask.to(device=device, dtype=torch.bool) if want_mask else None
 
         sampled = torch.empty(b, dtype=torch.int64, device=device)
-        if n_g:
-            sampled[g_rows] = proc.index_select(0, g_rows).argmax(dim=1)
+        if g_rows.numel():
+            sampled[g_rows] = take_rows(proc, g_rows).argmax(dim=1)
 
-        # Kept set of truncating rows, decided in float64 (see truncation.py).
-        keep_t = lse_t = scaled_t = None
-        if n_t:
-            scaled_t = apply_temperature(proc.index_select(0, t_rows).double(), meta.temperature.index_select(0, t_rows))
-            keep_t, lse_t = kept_set(
-                scaled_t,
-                meta.top_k.index_select(0, t_rows),
-                meta.top_p.index_select(0, t_rows),
-                meta.min_p.index_select(0, t_rows),
+        # Truncating rows: kept set as a sorted window, decided in float64; the draw
+        # (Gumbel-max over the kept entries = a draw from the renormalised kept
+        # distribution) only looks at the window.
+        win = x_t = None
+        if t_rows.numel():
+            proc_t = take_rows(proc, t_rows)
+            win = kept_window(
+                proc_t,
+                temperature[t_rows],
+                meta.top_k[t_rows],
+                meta.top_p[t_rows],
+                meta.min_p[t_rows],
+                want_lse=requested[t_rows] if want_mask else None,
             )
+            x_t = proc_t.gather(1, win.idx) / temperature[t_rows].unsqueeze(1)  # float32 [T, W]
+            scores = x_t + gumbel_noise(t_rows, v, meta.generators, device, idx=win.idx)
+            scores.masked_fill_(~win.keep, NEG_INF)
+            sampled[t_rows] = win.idx.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
 
-        need_scaled32 = n_ng > 0 or (meta.max_num_logprobs >= 0 and meta.logprobs_mode == "processed_logprobs")
-        scaled = apply_temperature(proc, meta.temperature) if need_scaled32 else None
-
-        if n_ng:
-            # Gumbel-max over the kept set == a draw from the renormalised kept distribution.
-            all_ng = n_ng == b
-            scores = scaled.clone() if all_ng else scaled.index_select(0, ng_rows)
-            scores.add_(gumbel_noise(ng_rows, v, meta.generators, device))
-            if n_t:
-                pos = t_rows if all_ng else torch.searchsorted(ng_rows, t_rows)
-                scores[pos] = scores[pos].masked_fill(~keep_t, NEG_INF)
-            sampled[ng_rows] = scores.argmax(dim=1)
+        # Rows without truncation draw over the whole vocabulary (-inf tokens never win).
+        x_p = None
+        if p_rows.numel():
+            x_p = apply_temperature(take_rows(proc, p_rows), temperature[p_rows])
+            scores = x_p + gumbel_noise(p_rows, v, meta.generators, device)
+            sampled[p_rows] = scores.argmax(dim=1)
 
         out = SamplerOutput(
             sampled_token_ids=sampled,
@@ -166,69 +185,78 @@ class Sampler:
         if meta.max_num_logprobs >= 0:
             k = min(meta.max_num_logprobs, v)
             if meta.logprobs_mode == "processed_logprobs":
-                final = scaled.clone()
-                if n_t:
-                    final[t_rows] = final[t_rows].masked_fill(~keep_t, NEG_INF)
+                # The final sampling distribution: -inf outside the kept set.
+                final = torch.full((b, v), NEG_INF, device=device)
+                if p_rows.numel():
+                    final[p_rows] = x_p
+                if t_rows.numel():
+                    r_ix = t_rows.unsqueeze(1).expand_as(win.idx)[win.keep]
+                    final[r_ix, win.idx[win.keep]] = x_t[win.keep]
+                if g_rows.numel():
+                    final[g_rows, sampled[g_rows]] = 0.0
                 lp = torch.log_softmax(final, dim=1)
-                if n_g:
-                    onehot = torch.zeros(n_g, v, dtype=torch.bool, device=device)
-                    onehot.scatter_(1, sampled[g_rows].unsqueeze(1), True)
-                    lp[g_rows] = torch.zeros(n_g, v, device=device).masked_fill_(~onehot, NEG_INF)
             else:
                 lp = torch.log_softmax(logits.float(), dim=1)
             out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = _gather_log_probs(lp, sampled, k)
 
-        if meta.return_sampling_mask is not None:
-            self._fill_sampling_mask(out, meta, proc, greedy, t_rows, keep_t, lse_t, scaled_t)
+        if want_mask:
+            _fill_sampling_mask(out, proc, requested, g_rows, t_rows, win)
         return out
 
-    @staticmethod
-    def _fill_sampling_mask(
-        out: SamplerOutput,
-        meta: SamplingMetadata,
-        proc: torch.Tensor,
-        greedy: torch.Tensor,
-        t_rows: torch.Tensor,
-        keep_t: torch.Tensor | None,
-        lse_t: torch.Tensor | None,
-        scaled_t: torch.Tensor | None,
-    ) -> None:
-        """Kept sets as CSR (int32 offsets [B+1], ids [M]) and logz float32 [B]."""
-        device = proc.device
-        b, v = proc.shape
-        requested = meta.return_sampling_mask.to(device=device, dtype=torch.bool)
-        trunc = torch.zeros(b, dtype=torch.bool, device=device)
-        trunc[t_rows] = True
-        req_rows = (requested & (trunc | greedy)).nonzero().squeeze(1)
-        logz = torch.zeros(b, dtype=torch.float32, device=device)
-        counts = torch.zeros(b, dtype=torch.int64, device=device)
-        if req_rows.numel() == 0:
-            out.mask_offsets = torch.zeros(b + 1, dtype=torch.int32, device=device)
-            out.mask_ids = torch.empty(0, dtype=torch.int32, device=device)
-            out.logz = logz
-            return
 
-        sel = torch.zeros(req_rows.numel(), v, dtype=torch.bool, device=device)
-        req_t = req_rows[trunc[req_rows]]
-        if req_t.numel():
-            pos_t = torch.searchsorted(t_rows, req_t)
-            sel[torch.searchsorted(req_rows, req_t)] = keep_t[pos_t]
-            logz[req_t] = kept_logz(scaled_t[pos_t], keep_t[pos_t], lse_t[pos_t]).float()
-        req_g = req_rows[greedy[req_rows]]
-        if req_g.numel():
-            tok = out.sampled_token_ids[req_g]
-            sel[torch.searchsorted(req_rows, req_g), tok] = True
+def _fill_sampling_mask(
+    out: SamplerOutput,
+    proc: torch.Tensor,
+    requested: torch.Tensor,
+    g_rows: torch.Tensor,
+    t_rows: torch.Tensor,
+    win: KeptWindow | None,
+) -> None:
+    """Kept sets as CSR (int32 offsets [B+1], ids [M] ascending per row) and logz float32 [B].
+
+    Rows that do not truncate, or did not ask, get an empty CSR row and logz 0.
+    """
+    device = proc.device
+    b, v = proc.shape
+    logz = torch.zeros(b, dtype=torch.float32, device=device)
+    counts = torch.zeros(b, dtype=torch.int64, device=device)
+    # Per kept token, ids padded with V (sorts last) so each row sorts independently.
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ids int64 [n, W] padded with V)
+
+    if t_rows.numel():
+        sel = requested[t_rows]
+        if bool(sel.any()):
+            rows = t_rows[sel]
+            keep = win.keep[sel]
+            ids = torch.where(keep, win.idx[sel], torch.full_like(win.idx[sel], v))
+            parts.append((rows, ids))
+            counts[rows] = keep.sum(dim=1)
+            sub = KeptWindow(win.idx[sel], win.x[sel], keep, win.lse[sel])
+            logz[rows] = kept_logz(sub).float()
+    if g_rows.numel():
+        rows = g_rows[requested[g_rows]]
+        if rows.numel():
+            tok = out.sampled_token_ids[rows]
+            parts.append((rows, tok.unsqueeze(1)))
+            counts[rows] = 1
             # Greedy rows report the argmax's mass under the temperature-1 softmax.
-            x = proc.index_select(0, req_g).double()
-            logz[req_g] = (x.gather(1, tok.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=1)).float()
+            x = take_rows(proc, rows)
+            lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
+            logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
 
-        counts[req_rows] = sel.sum(dim=1)
-        offsets = torch.zeros(b + 1, dtype=torch.int64, device=device)
-        offsets[1:] = torch.cumsum(counts, dim=0)
-        # Row-major nonzero lists ids ascending within each row, rows in order.
-        out.mask_ids = sel.nonzero()[:, 1].to(torch.int32)
-        out.mask_offsets = offsets.to(torch.int32)
-        out.logz = logz
+    offsets = torch.zeros(b + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(counts, dim=0)
+    mask_ids = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)
+    for rows, ids in parts:
+        ids = ids.sort(dim=1).values
+        n = counts[rows]
+        valid = torch.arange(ids.shape[1], device=device).unsqueeze(0) < n.unsqueeze(1)
+        # Destination of entry j of row r: offsets[r] + j.
+        dest = offsets[rows].unsqueeze(1) + torch.arange(ids.shape[1], device=device).unsqueeze(0)
+        mask_ids[dest[valid]] = ids[valid].to(torch.int32)
+    out.mask_ids = mask_ids
+    out.mask_offsets = offsets.to(torch.int32)
+    out.logz = logz
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
