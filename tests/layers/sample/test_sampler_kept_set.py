@@ -116,6 +116,13 @@ def test_top_p_window_and_full_sort_fallback():
                      min_p=[0.0] * 7 + [0.01], return_sampling_mask=True)
     checked, _ = _check_batch(logits, meta)
     assert checked == 8
+    # Without any top-k row the windows widen 64 -> 1024 -> full sort as needed.
+    scales = torch.tensor([8.0, 3.0, 0.5, 6.0, 1.0]).unsqueeze(1)
+    logits = torch.randn(5, 49152, generator=gen) * scales
+    meta = make_meta(5, top_p=[0.5, 0.9, 0.9, 0.99, 1.0], min_p=[0.0, 0.0, 0.0, 0.001, 0.3],
+                     temperature=[1.0, 0.7, 1.0, 1.3, 1.0], return_sampling_mask=True)
+    checked, _ = _check_batch(logits, meta)
+    assert checked == 5
 
 
 def test_exact_tie_at_top_k_boundary_is_allowed():
