@@ -1,0 +1,103 @@
+"""Model + tokenizer loading: GGUF, HF safetensors directories, or random (dummy) weights."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from fastdeploy.config import ModelConfig
+from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config, init_dummy_weights
+from fastdeploy.model_executor.model_loader.embedded import embedded_model_path
+from fastdeploy.model_executor.model_loader.gguf_loader import gguf_model_config, load_gguf_weights
+from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config, load_safetensors_weights
+from fastdeploy.model_executor.models.llama import LlamaForCausalLM
+
+__all__ = ["embedded_model_path", "get_model", "get_tokenizer", "resolve_model_path"]
+
+_BUNDLED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "configs")
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None -> the embedded GGUF; a bare bundled config name (e.g. "llama3_8b") -> its json."""
+    if model is None:
+        return embedded_model_path()
+    bundled = os.path.join(_BUNDLED_CONFIGS, f"{model}.json")
+    if not os.path.exists(model) and os.path.isfile(bundled):
+        return bundled
+    return model
+
+
+def _load_format(path: str, load_format: str) -> str:
+    if load_format != "auto":
+        if load_format not in ("gguf", "safetensors", "dummy"):
+            raise ValueError(f"unknown load_format {load_format!r}")
+        return load_format
+    if path.endswith(".gguf"):
+        return "gguf"
+    if os.path.isdir(path):
+        return "safetensors"
+    if path.endswith(".json"):
+        return "dummy"  # a bare config has no weights to load
+    raise ValueError(f"cannot infer the load format of {path!r}: expected a .gguf file or a directory")
+
+
+def get_model(
+    model: str | None,
+    load_format: str = "auto",
+    dtype: torch.dtype | str = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model in eval mode on `device`/`dtype` and fill its weights."""
+    path = resolve_model_path(model)
+    fmt = _load_format(path, load_format)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+    reader = gguf.GGUFReader(path) if fmt == "gguf" else None
+    if fmt == "gguf":
+        config = gguf_model_config(reader)
+    elif fmt == "safetensors":
+        config = hf_model_config(path)
+    else:
+        config = dummy_model_config(path)
+
+    # Build on the meta device, then allocate once on the target: no wasted random init.
+    with torch.device("meta"):
+        net = LlamaForCausalLM(config)
+    net = net.to(dtype=dtype).to_empty(device=device)
+
+    if fmt == "dummy":
+        init_dummy_weights(net, seed)
+    else:
+        weights = load_gguf_weights(path, config, reader) if fmt == "gguf" else load_safetensors_weights(path)
+        loaded = net.load_weights(weights)
+        missing = sorted(set(dict(net.named_parameters())) - loaded)
+        if missing:
+            raise ValueError(f"{path}: weights missing from the checkpoint: {missing[:8]}")
+    net.eval().requires_grad_(False)
+    return net, config
+
+
+def get_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
+    """The model's fast tokenizer, from local files only (never the network).
+
+    GGUF files carry their tokenizer (and chat template) in metadata; directories
+    (or a config.json's directory) need the usual tokenizer files.
+    """
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
+        )
+        if tokenizer.chat_template is None:
+            field = gguf.GGUFReader(path).fields.get("tokenizer.chat_template")
+            if field is not None:
+                tokenizer.chat_template = field.contents()
+        return tokenizer
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not any(os.path.isfile(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(f"no tokenizer files next to {path!r}")
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)

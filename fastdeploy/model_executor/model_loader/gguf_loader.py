@@ -1,0 +1,123 @@
+"""GGUF checkpoints (llama.cpp format): ModelConfig from metadata, dequantised HF-named weights."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fastdeploy.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+# llama.cpp tensor name -> HF name ("{}" is the layer index).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(path_or_reader: str | gguf.GGUFReader) -> ModelConfig:
+    """ModelConfig from `<arch>.*` metadata (arch = general.architecture)."""
+    reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else gguf.GGUFReader(path_or_reader)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    tensor_names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+
+    def key(suffix: str, default=None):
+        return _field(reader, f"{arch}.{suffix}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    vocab = key("vocab_size")
+    if vocab is None:  # older files: the tokenizer's vocabulary, else the embedding's rows
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else int(embd.shape[1])
+    eos_ids = []
+    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = _field(reader, k)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // heads))),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        # llama.cpp drops output.weight when the head is tied to the embedding.
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's Q/K row permutation (llama only).
+
+    llama.cpp interleaves the two rotary halves of each head (GPT-J style RoPE); HF's
+    rotate-half convention needs them back as [first half | second half].
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def load_gguf_weights(
+    path: str, config: ModelConfig | None = None, reader: gguf.GGUFReader | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every weight, dequantised, with a progress bar."""
+    reader = reader or gguf.GGUFReader(path)
+    config = config or gguf_model_config(reader)
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor"):
+        name = _hf_name(tensor.name)
+        if name is None:  # e.g. rope_freqs.weight: nothing in ModelConfig uses it
+            continue
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # dequantize() returns [rows, cols] = HF's [out, in]; F32 is a read-only memmap view.
+        w = np.array(w, dtype=np.float32, copy=True).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if config.architecture == "llama":
+            if ".q_proj." in name:
+                w = _reverse_permute(w, config.num_attention_heads)
+            elif ".k_proj." in name:
+                w = _reverse_permute(w, config.num_key_value_heads)
+        yield name, torch.from_numpy(w)
