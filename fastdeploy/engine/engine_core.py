@@ -42,8 +42,10 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         self.validate(request)
-        seq = Sequence(next(self._seq_ids), request.request_id, list(request.prompt_token_ids), request.params,
-                       request.arrival_time)
+        params = request.params
+        wants_mask = self.config.enable_keep_sampling_mask and params.return_sampling_mask is not False
+        seq = Sequence(next(self._seq_ids), request.request_id, list(request.prompt_token_ids), params,
+                       request.arrival_time, return_sampling_mask=wants_mask)
         self.sequences[seq.seq_id] = seq
         self.by_request_id[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -86,10 +88,6 @@ class EngineCore:
             self._on_worker.discard(seq.seq_id)
             self._freed.append(seq.seq_id)
 
-    def _wants_mask(self, seq: Sequence) -> bool:
-        requested = seq.params.return_sampling_mask
-        return self.config.enable_keep_sampling_mask and requested is not False
-
     def step(self) -> list[RequestDelta]:
         plan = self.scheduler.schedule()
         new_sequences = []
@@ -98,7 +96,7 @@ class EngineCore:
             seq = chunk.seq
             if seq.seq_id not in self._on_worker:
                 self._on_worker.add(seq.seq_id)
-                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params, self._wants_mask(seq)))
+                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params, seq.return_sampling_mask))
             end = chunk.start + chunk.num_tokens
             chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
                                      list(seq.block_ids), chunk.samples))

@@ -42,14 +42,16 @@ class TokenProcessor:
                 finish_reason, stop_reason = self._finish_reason(seq, token)
                 if finish_reason:
                     break
+            # Rows that opted out travel as empty CSR rows; they must not read as "null".
+            wants_mask = seq.return_sampling_mask and part.sampling_mask is not None
             delta = RequestDelta(
                 request_id=seq.request_id,
                 token_ids=part.token_ids[:kept],
                 logprobs=part.logprobs[:kept] if part.logprobs is not None else None,
                 logprob_token_ids=part.logprob_token_ids[:kept] if part.logprob_token_ids is not None else None,
                 ranks=part.ranks[:kept] if part.ranks is not None else None,
-                sampling_mask=part.sampling_mask[:kept] if part.sampling_mask is not None else None,
-                logz=part.logz[:kept] if part.logz is not None else None,
+                sampling_mask=part.sampling_mask[:kept] if wants_mask else None,
+                logz=part.logz[:kept] if wants_mask else None,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 num_prompt_tokens=len(seq.prompt_token_ids),

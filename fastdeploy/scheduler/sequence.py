@@ -21,6 +21,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    return_sampling_mask: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V is in the cache; reset to 0 by a recompute preemption.

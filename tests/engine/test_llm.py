@@ -17,11 +17,6 @@ def prompts_of_varied_length() -> list[str]:
             f"Write a short note about {topic}." for i, topic in enumerate(TOPICS)]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_num_seqs=32)
-
-
 def test_batched_chunked_and_preempted_runs_equal_each_run_alone(llm):
     prompts = prompts_of_varied_length()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

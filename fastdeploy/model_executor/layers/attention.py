@@ -29,6 +29,15 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return per_layer * config.num_hidden_layers
 
 
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] along dim 0.
+
+    index_select, not advanced indexing: on CPU, `cache[ids]` on a view of the
+    [2, ...] pool costs milliseconds per call (measured 7.8 ms vs 8 us for 2 blocks).
+    """
+    return cache.index_select(0, block_ids)
+
+
 class Attention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends decode and prefill tokens."""
 
@@ -69,8 +78,10 @@ class Attention(nn.Module):
         num_seqs, max_blocks = block_tables.shape
         max_len = max_blocks * meta.block_size
         # Gather each sequence's blocks into a contiguous [D, KVH, L, Dh] view for SDPA.
-        k = k_cache[block_tables].reshape(num_seqs, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v_cache[block_tables].reshape(num_seqs, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        flat_tables = block_tables.reshape(-1)
+        k = _gather_blocks(k_cache, flat_tables).reshape(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        v = _gather_blocks(v_cache, flat_tables).reshape(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         # Padded table entries point at block 0 (someone else's data): mask everything past the length.
         pos = torch.arange(max_len, device=q.device)
         mask = (pos[None, :] < meta.decode_context_lens[:, None].to(q.device))[:, None, None, :]  # [D,1,1,L]
@@ -97,8 +108,8 @@ class Attention(nn.Module):
         else:
             bs = k_cache.shape[1]
             blocks = block_table[: (context_len + bs - 1) // bs]
-            k = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:context_len]
-            v = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:context_len]
+            k = _gather_blocks(k_cache, blocks).reshape(-1, self.num_kv_heads, self.head_dim)[:context_len]
+            v = _gather_blocks(v_cache, blocks).reshape(-1, self.num_kv_heads, self.head_dim)[:context_len]
             # Bottom-right aligned causal mask: query i sits at position context_len - query_len + i.
             q_pos = torch.arange(context_len - query_len, context_len, device=q.device)
             k_pos = torch.arange(context_len, device=q.device)

@@ -1,0 +1,107 @@
+"""`sampling_mask` / `sampling_logz` through the real server, stream and non-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from tests.e2e.server import RunningServer
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "Write a line about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def mask_server():
+    srv = RunningServer("--enable-keep-sampling-mask", "--max-num-seqs", "16", "--num-kv-blocks", "512")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mask_client(mask_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{mask_server.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def check_aligned(masks, logz, token_ids, max_size=None, greedy=False, untruncated=False):
+    assert len(masks) == len(logz) == len(token_ids) > 0
+    for mask, z, token in zip(masks, logz, token_ids):
+        if untruncated:
+            assert mask is None and z == 0.0
+            continue
+        assert mask == sorted(set(mask)) and token in mask
+        assert z <= 1e-6 and math.isfinite(z)
+        if greedy:
+            assert mask == [token]
+        if max_size is not None:
+            assert len(mask) <= max_size
+
+
+def test_chat_non_stream_n2(mask_client):
+    resp = mask_client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=5,
+        extra_body={"top_k": 20, "return_token_ids": True})
+    for choice in resp.choices:
+        c = choice.model_dump()
+        check_aligned(c["sampling_mask"], c["sampling_logz"], c["token_ids"], max_size=20)
+
+
+def test_chat_stream_masks_align_with_each_delta(mask_client):
+    stream = mask_client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=1.0, max_tokens=10, stream=True,
+        extra_body={"min_p": 0.05, "return_token_ids": True})
+    masks, logz, tokens = [], [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            c = choice.model_dump()
+            if c.get("token_ids"):
+                assert len(c["sampling_mask"]) == len(c["token_ids"])
+                masks += c["sampling_mask"]
+                logz += c["sampling_logz"]
+                tokens += c["token_ids"]
+    check_aligned(masks, logz, tokens)
+
+
+def test_completions_greedy_and_untruncated(mask_client):
+    greedy = mask_client.completions.create(model=MODEL, prompt="The sea is", temperature=0, max_tokens=6,
+                                            extra_body={"return_token_ids": True}).choices[0].model_dump()
+    check_aligned(greedy["sampling_mask"], greedy["sampling_logz"], greedy["token_ids"], greedy=True)
+    plain = mask_client.completions.create(model=MODEL, prompt="The sea is", temperature=1.0, max_tokens=6,
+                                           extra_body={"return_token_ids": True}).choices[0].model_dump()
+    check_aligned(plain["sampling_mask"], plain["sampling_logz"], plain["token_ids"], untruncated=True)
+    streamed = list(mask_client.completions.create(model=MODEL, prompt="The sea is", temperature=0.7, top_p=0.5,
+                                                   max_tokens=6, stream=True,
+                                                   extra_body={"return_token_ids": True}))
+    masks = [m for c in streamed for ch in c.choices for m in (ch.model_dump().get("sampling_mask") or [])]
+    tokens = [t for c in streamed for ch in c.choices for t in (ch.model_dump().get("token_ids") or [])]
+    logz = [z for c in streamed for ch in c.choices for z in (ch.model_dump().get("sampling_logz") or [])]
+    check_aligned(masks, logz, tokens)
+
+
+def test_mixed_batch_with_opt_out_and_different_lengths(mask_server):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{mask_server.base_url}/v1", api_key="unused", timeout=120,
+                                max_retries=0)
+
+    async def one(i: int):
+        opt_out = i % 3 == 0
+        resp = await client.completions.create(
+            model=MODEL, prompt=f"Item {i}:", temperature=0.9, max_tokens=3 + 2 * i, seed=i,
+            extra_body={"top_k": 8, "ignore_eos": True, "return_token_ids": True,
+                        "return_sampling_mask": not opt_out})
+        return opt_out, resp.choices[0].model_dump()
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    for i, (opt_out, choice) in enumerate(asyncio.run(main())):
+        assert len(choice["token_ids"]) == 3 + 2 * i
+        if opt_out:
+            assert "sampling_mask" not in choice or choice["sampling_mask"] is None
+        else:
+            check_aligned(choice["sampling_mask"], choice["sampling_logz"], choice["token_ids"], max_size=8)
