@@ -1,0 +1,215 @@
+"""What a request constrains its output to, parsed from OpenAI / vLLM request fields.
+
+A `GuidedSpec` is a small, hashable, msgpack-able value: the API server builds it, the
+engine ships it to the worker, and the compile service uses it as its dedup key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import msgspec
+
+from fastdeploy.engine.sampling_params import ParameterError
+
+__all__ = ["GUIDED_KINDS", "GuidedSpec", "guided_spec_from_request", "validate_guided_spec"]
+
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+# Request fields that each select one form of guided decoding; at most one may be set.
+_GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+
+
+class GuidedSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One output constraint.
+
+    kind: one of GUIDED_KINDS.
+    value: compact JSON text of the schema ("json_schema"), "" ("json_object"), the regex
+        ("regex"), a JSON list of the choice strings ("choice"), EBNF text ("grammar"), or
+        the structural tag as JSON in xgrammar's `{"type": "structural_tag", "format": ...}`
+        form ("structural_tag"; the legacy structures/triggers form is converted on parse).
+    """
+
+    kind: str
+    value: str
+
+
+def _dumps(obj: Any) -> str:
+    # Compact but order-preserving: property order in a schema is the generation order.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json_value(value: Any, param: str, what: str) -> Any:
+    """A JSON object given inline (dict) or as JSON text (str) → the object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ParameterError(f"`{param}` is not valid JSON: {e}", param) from None
+    if not isinstance(value, dict):
+        raise ParameterError(f"`{param}` must be a {what} (a JSON object), got {type(value).__name__}", param)
+    return value
+
+
+def _schema_spec(schema: Any, param: str) -> GuidedSpec:
+    # A boolean schema is legal JSON Schema, but `true` is "any JSON" and `false` matches nothing.
+    if schema is True:
+        return GuidedSpec("json_object", "")
+    return GuidedSpec("json_schema", _dumps(_json_value(schema, param, "JSON schema")))
+
+
+def _structural_tag_spec(tag: Any, param: str) -> GuidedSpec:
+    tag = _json_value(tag, param, "structural tag")
+    if "format" not in tag and "structures" in tag:
+        # vLLM's legacy form: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}.
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if not isinstance(structures, list) or not isinstance(triggers, list):
+            raise ParameterError(f"`{param}`: `structures` and `triggers` must be lists", param)
+        import xgrammar as xgr  # lazy: keeps the API server's import light
+
+        try:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in structures]
+            tag = json.loads(xgr.StructuralTag.from_legacy_structural_tag(items, triggers).model_dump_json())
+        except Exception as e:  # KeyError, TypeError, pydantic.ValidationError
+            raise ParameterError(f"`{param}`: invalid structural tag structures: {e}", param) from None
+    return GuidedSpec("structural_tag", _dumps(tag))
+
+
+def _from_response_format(rf: Any) -> GuidedSpec | None:
+    param = "response_format"
+    if not isinstance(rf, dict):
+        raise ParameterError("`response_format` must be an object", param)
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GuidedSpec("json_object", "")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ParameterError("`response_format.json_schema` must be an object", "response_format.json_schema")
+        if "name" in js and not isinstance(js["name"], str):
+            raise ParameterError("`response_format.json_schema.name` must be a string", "response_format.json_schema")
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise ParameterError("`response_format.json_schema.strict` must be a boolean", "response_format.json_schema")
+        # OpenAI makes `schema` optional; without one, any JSON object is the only sane reading.
+        if js.get("schema") is None:
+            return GuidedSpec("json_object", "")
+        return _schema_spec(js["schema"], "response_format.json_schema.schema")
+    if kind == "structural_tag":
+        # vLLM accepts the structural tag itself as the response_format object.
+        return _structural_tag_spec({k: v for k, v in rf.items()}, param)
+    raise ParameterError(
+        f"`response_format.type` must be one of 'text', 'json_object', 'json_schema', 'structural_tag'; got {kind!r}",
+        param,
+    )
+
+
+def guided_spec_from_request(body: dict) -> GuidedSpec | None:
+    """The output constraint a request body asks for, or None.
+
+    Reads `response_format`, `guided_json`, `guided_regex`, `guided_choice`,
+    `guided_grammar` and `structural_tag`; a field set to null counts as absent.
+    Raises ParameterError (param = the offending field) when two forms are given or a
+    value has the wrong type. Does not compile anything: see validate_guided_spec.
+    """
+    given = [f for f in _GUIDED_FIELDS if body.get(f) is not None]
+    # {"type": "text"} is the OpenAI way of saying "no constraint"; it does not conflict.
+    rf = body.get("response_format")
+    if "response_format" in given and isinstance(rf, dict) and rf.get("type") in (None, "text"):
+        given.remove("response_format")
+        if not given:
+            _from_response_format(rf)  # still type-check it
+    if len(given) > 1:
+        raise ParameterError(
+            f"only one of {', '.join('`' + f + '`' for f in _GUIDED_FIELDS)} may be set; got {given[0]} and {given[1]}",
+            given[1],
+        )
+    if not given:
+        return None
+    field = given[0]
+    value = body[field]
+    if field == "response_format":
+        return _from_response_format(value)
+    if field == "guided_json":
+        return _schema_spec(value, field)
+    if field == "guided_regex":
+        if not isinstance(value, str):
+            raise ParameterError(f"`guided_regex` must be a string, got {type(value).__name__}", field)
+        return GuidedSpec("regex", value)
+    if field == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ParameterError("`guided_choice` must be a list of strings", field)
+        return GuidedSpec("choice", _dumps(value))
+    if field == "guided_grammar":
+        if not isinstance(value, str):
+            raise ParameterError(f"`guided_grammar` must be an EBNF string, got {type(value).__name__}", field)
+        return GuidedSpec("grammar", value)
+    return _structural_tag_spec(value, field)  # structural_tag
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """EBNF matching exactly one of `choices`. JSON string literals are valid EBNF literals,
+    which escapes quotes, backslashes and control characters without regex pitfalls."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def spec_param(spec: GuidedSpec) -> str:
+    """The request field an error about `spec` should name."""
+    return {
+        "json_schema": "response_format",
+        "json_object": "response_format",
+        "regex": "guided_regex",
+        "choice": "guided_choice",
+        "grammar": "guided_grammar",
+        "structural_tag": "structural_tag",
+    }.get(spec.kind, "response_format")
+
+
+def _clean_xgr_error(e: Exception) -> str:
+    """xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: "; keep the message."""
+    msg = str(e).strip()
+    msg = re.sub(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", msg)
+    msg = msg.replace("Check failed: (error.empty()) is false: ", "")
+    return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def build_grammar(spec: GuidedSpec, *, any_whitespace: bool = True, strict_mode: bool = True):
+    """Parse `spec` into an uncompiled xgrammar.Grammar (no tokenizer needed; fast: the
+    expensive part of compilation is the per-token mask cache, done by GrammarCompiler).
+
+    Raises ParameterError on an invalid spec.
+    """
+    import xgrammar as xgr
+
+    param = spec_param(spec)
+    try:
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=any_whitespace, strict_mode=strict_mode)
+        if spec.kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.value)
+        if spec.kind == "choice":
+            choices = json.loads(spec.value)
+            if not choices:
+                raise ParameterError("`guided_choice` must not be empty", param)
+            return xgr.Grammar.from_ebnf(choice_ebnf(choices))
+        if spec.kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.value)
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.value)
+    except ParameterError:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError (and subclasses) for every parse error
+        what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "EBNF grammar"}
+        raise ParameterError(f"invalid {what.get(spec.kind, spec.kind)}: {_clean_xgr_error(e)}", param) from None
+    raise ParameterError(f"unknown guided decoding kind {spec.kind!r}", param)
+
+
+def validate_guided_spec(spec: GuidedSpec) -> None:
+    """Reject an invalid schema / regex / grammar / choice list / structural tag early,
+    in the API server, without a tokenizer. Raises ParameterError naming the field."""
+    build_grammar(spec)
