@@ -10,6 +10,11 @@ import xgrammar as xgr
 __all__ = ["GuidedState", "fill_bitmasks"]
 
 
+def _bit(i: int) -> int:
+    """Bit i of an int32 word as a signed int32 value (bit 31 is the sign bit)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
+
+
 class GuidedState:
     """One constrained request's position in its grammar (wraps xgrammar.GrammarMatcher).
 
@@ -40,9 +45,14 @@ class GuidedState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 [B, ceil(V/32)], CPU).
 
-        A terminated state allows nothing but does not fail; callers finish the request
-        instead of sampling it.
+        A terminated state (xgrammar raises on it) allows only its stop tokens, so a row
+        still in the batch for a step after termination samples a harmless eos.
         """
+        if self._matcher.is_terminated():
+            bitmask[row].zero_()
+            for t in self._matcher.stop_token_ids:
+                bitmask[row, t // 32] |= _bit(t % 32)
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
