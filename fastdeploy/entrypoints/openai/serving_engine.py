@@ -96,7 +96,11 @@ class OpenAIServing:
                         if chunk.finish_reason is not None:
                             self.metrics.requests.labels(chunk.finish_reason).inc()
                             break
-            except BaseException as exc:  # surfaced to the consumer; cancellation included
+            except asyncio.CancelledError:
+                # The client went away (or a sibling choice failed): its engine request is aborted.
+                self.metrics.requests.labels("abort").inc()
+                raise
+            except BaseException as exc:  # surfaced to the consumer
                 await queue.put(exc)
                 raise
             finally:
