@@ -60,15 +60,6 @@ class EngineCore:
                                            num_prompt_tokens=len(seq.prompt_token_ids)))
         return deltas
 
-    def fail_all(self, message: str) -> list[RequestDelta]:
-        """Finish every sequence with an error (the worker is gone)."""
-        deltas = []
-        for seq in list(self.sequences.values()):
-            self._release(seq)
-            deltas.append(RequestDelta(seq.request_id, [], finish_reason="error", error=message,
-                                       num_prompt_tokens=len(seq.prompt_token_ids)))
-        return deltas
-
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

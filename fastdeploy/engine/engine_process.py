@@ -89,9 +89,10 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
             try:
                 deltas.extend(core.step())
             except WorkerError as exc:
+                # The client fails every open request when it reads EngineDead, and marks
+                # itself unhealthy first, so those requests report 503 rather than 500.
                 logger.error("%s", exc)
                 dead_message = str(exc)
-                deltas.extend(core.fail_all(dead_message))
         now = time.monotonic()
         if deltas or now - last_sent > GAUGE_INTERVAL_S:
             outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, core.block_manager.usage)

@@ -1,0 +1,78 @@
+"""Failure and shutdown: a killed worker fails requests promptly; SIGTERM leaves no processes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+
+from tests.e2e.server import RunningServer
+
+BODY = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
+
+
+def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_up():
+    server = RunningServer("--max-num-seqs", "8")
+    try:
+        results: dict[str, tuple[float, object]] = {}
+
+        def non_stream() -> None:
+            r = httpx.post(f"{server.base_url}/v1/completions", json=BODY, timeout=60)
+            results["non_stream"] = (time.monotonic(), r.status_code, r.json())
+
+        def stream() -> None:
+            events = []
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**BODY, "stream": True},
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            results["stream"] = (time.monotonic(), r.status_code, events)
+
+        threads = [threading.Thread(target=non_stream), threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["fastdeploy_num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker = server.worker_process()
+        killed_at = time.monotonic()
+        worker.kill()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "a client hung after the worker died"
+
+        done_at, status, body = results["non_stream"]
+        assert done_at - killed_at < 5.0
+        assert status == 503 and "error" in body
+        done_at, status, events = results["stream"]
+        assert done_at - killed_at < 5.0
+        assert events[-1] == "[DONE]" and '"error"' in events[-2]
+
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 503
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        children = server.descendants()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=20)
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        server.stop()
+    assert not alive, f"processes left after SIGTERM: {alive}"
+
+
+def test_sigterm_with_requests_in_flight_stops_every_process():
+    server = RunningServer("--max-num-seqs", "4")
+    children = server.descendants()
+    assert len(children) >= 2  # the engine and the worker
+    thread = threading.Thread(
+        target=lambda: httpx.post(f"{server.base_url}/v1/completions", json=BODY, timeout=60), daemon=True)
+    thread.start()
+    time.sleep(2)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) is not None
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left after SIGTERM: {alive}"
