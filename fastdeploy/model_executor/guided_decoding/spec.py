@@ -87,20 +87,20 @@ def _from_response_format(rf: Any) -> GuidedSpec | None:
     if kind == "json_object":
         return GuidedSpec("json_object", "")
     if kind == "json_schema":
-        js = rf.get("json_schema")
+        js, js_param = rf.get("json_schema"), "response_format.json_schema"
         if not isinstance(js, dict):
-            raise ParameterError("`response_format.json_schema` must be an object", "response_format.json_schema")
+            raise ParameterError("`response_format.json_schema` must be an object", js_param)
         if "name" in js and not isinstance(js["name"], str):
-            raise ParameterError("`response_format.json_schema.name` must be a string", "response_format.json_schema")
+            raise ParameterError("`response_format.json_schema.name` must be a string", js_param)
         if js.get("strict") is not None and not isinstance(js["strict"], bool):
-            raise ParameterError("`response_format.json_schema.strict` must be a boolean", "response_format.json_schema")
+            raise ParameterError("`response_format.json_schema.strict` must be a boolean", js_param)
         # OpenAI makes `schema` optional; without one, any JSON object is the only sane reading.
         if js.get("schema") is None:
             return GuidedSpec("json_object", "")
         return _schema_spec(js["schema"], "response_format.json_schema.schema")
     if kind == "structural_tag":
         # vLLM accepts the structural tag itself as the response_format object.
-        return _structural_tag_spec({k: v for k, v in rf.items()}, param)
+        return _structural_tag_spec(dict(rf), param)
     raise ParameterError(
         f"`response_format.type` must be one of 'text', 'json_object', 'json_schema', 'structural_tag'; got {kind!r}",
         param,
