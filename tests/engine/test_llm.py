@@ -12,22 +12,22 @@ TOPICS = ["rivers", "the moon", "bread", "chess", "volcanoes", "music", "bees", 
 
 
 def prompts_of_varied_length() -> list[str]:
-    # Lengths from a few tokens to a few hundred, so long prompts need several prefill chunks.
-    return [("Context: " + "the quick brown fox jumps over the lazy dog. " * (i * i // 4)) +
+    # Lengths from about 10 to about 250 tokens, so long prompts need several prefill chunks.
+    return [("Context: " + "the quick brown fox jumps over the lazy dog. " * (i * i // 10)) +
             f"Write a short note about {topic}." for i, topic in enumerate(TOPICS)]
 
 
 def test_batched_chunked_and_preempted_runs_equal_each_run_alone(llm):
     prompts = prompts_of_varied_length()
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
-    # A pool of 48 blocks x 16 tokens cannot hold all 16 sequences at once, and a step
+    # A pool of 24 blocks x 16 tokens cannot hold all 16 sequences at once, and a step
     # budget of 64 tokens splits every longer prompt into chunks.
-    tight = LLM(max_num_seqs=16, num_kv_blocks=48, max_num_batched_tokens=64)
+    tight = LLM(max_num_seqs=16, num_kv_blocks=24, max_num_batched_tokens=64)
     together = [r.outputs[0].token_ids for r in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert together == alone
-    assert tight.engine.block_manager.num_free_blocks == 48
+    assert tight.engine.block_manager.num_free_blocks == 24
 
 
 def test_seed_reproduces_output_whatever_the_batch(llm):
