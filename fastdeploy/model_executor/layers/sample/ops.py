@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from fastdeploy.model_executor.guided_decoding.bitmask import apply_token_bitmask_inplace
+
 
 def apply_logit_bias_(
     logits: torch.Tensor,
@@ -51,9 +53,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor | None) -> 
     """Set disallowed tokens to -inf, in place. bitmask: int32 [B, ceil(V / 32)] or None."""
     if bitmask is None:
         return logits
-    allowed = unpack_token_bitmask(bitmask.to(logits.device), logits.shape[1])
-    logits.masked_fill_(~allowed, float("-inf"))
-    return logits
+    # xgrammar's kernel (CPU path, or Triton on CUDA); unpack_token_bitmask is the reference.
+    return apply_token_bitmask_inplace(logits, bitmask)
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
