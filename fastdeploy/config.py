@@ -52,5 +52,8 @@ class EngineConfig:
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
+    guided_decoding_backend: str = "xgrammar"  # xgrammar | off
+    grammar_compile_timeout_s: float = 30.0
+    grammar_cache_mb: int = 512
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

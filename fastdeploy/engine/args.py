@@ -24,6 +24,9 @@ class EngineArgs:
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
     logprobs_mode: str = "raw_logprobs"
+    guided_decoding_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 30.0
+    grammar_cache_mb: int = 512
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -35,6 +38,9 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             enable_keep_sampling_mask=self.enable_keep_sampling_mask,
             logprobs_mode=self.logprobs_mode,
+            guided_decoding_backend=self.guided_decoding_backend,
+            grammar_compile_timeout_s=self.grammar_compile_timeout,
+            grammar_cache_mb=self.grammar_cache_mb,
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_kv_blocks,
@@ -78,6 +84,14 @@ class EngineArgs:
                             default=d.logprobs_mode,
                             help="raw: the model's log-softmax; processed: after penalties, temperature and "
                                  "truncation, renormalised over the kept set")
+        parser.add_argument("--guided-decoding-backend", choices=["xgrammar", "off"],
+                            default=d.guided_decoding_backend,
+                            help="structured output (response_format, guided_json/regex/choice/grammar, "
+                                 "structural_tag) through xgrammar, or off")
+        parser.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                            help="seconds a grammar may compile before its request fails")
+        parser.add_argument("--grammar-cache-mb", type=int, default=d.grammar_cache_mb,
+                            help="memory for compiled grammars; an identical schema compiles once")
         return parser
 
     @classmethod

@@ -13,7 +13,7 @@ from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
-from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
+from fastdeploy.worker.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
 
 
 class EngineCore:
@@ -26,13 +26,16 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
-                                   config.enable_keep_sampling_mask, info.num_blocks * info.block_size)
+                                   config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
+                                   guided_decoding=config.guided_decoding_backend != "off")
         self.sequences: dict[int, Sequence] = {}
         self.by_request_id: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self._message_ids = itertools.count()
-        self._on_worker: set[int] = set()
+        self._on_worker: set[int] = set()  # sequences holding worker state
         self._freed: list[int] = []
+        self._grammar_requests: list[GrammarRequest] = []
+        self._registered: set[int] = set()  # sequences whose NewSequence the worker has
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ParameterError for a request that must be refused before it is queued."""
@@ -48,6 +51,10 @@ class EngineCore:
                        request.arrival_time, return_sampling_mask=wants_mask)
         self.sequences[seq.seq_id] = seq
         self.by_request_id[seq.request_id] = seq
+        if params.guided is not None:
+            seq.grammar_ready = False
+            self._on_worker.add(seq.seq_id)
+            self._grammar_requests.append(GrammarRequest(seq.seq_id, params.guided))
         self.scheduler.add(seq)
 
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
@@ -75,6 +82,7 @@ class EngineCore:
         self.scheduler.finish(seq)
         del self.sequences[seq.seq_id]
         del self.by_request_id[seq.request_id]
+        self._registered.discard(seq.seq_id)
         if seq.seq_id in self._on_worker:
             self._on_worker.discard(seq.seq_id)
             self._freed.append(seq.seq_id)
@@ -85,21 +93,45 @@ class EngineCore:
         chunks = []
         for chunk in plan.chunks:
             seq = chunk.seq
-            if seq.seq_id not in self._on_worker:
+            if seq.seq_id not in self._registered:
+                self._registered.add(seq.seq_id)
                 self._on_worker.add(seq.seq_id)
                 new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params, seq.return_sampling_mask))
             end = chunk.start + chunk.num_tokens
             chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
                                      list(seq.block_ids), chunk.samples))
-        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed)
+        if not chunks and not self._grammar_requests and not self.waiting_for_grammar:
+            return []
+        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests)
         self._freed = []
-        frame = self.executor.execute(step_input)
+        self._grammar_requests = []
+        frame, events = self.executor.execute(step_input)
         self.scheduler.on_step_done(plan)
-        deltas = []
-        for seq, delta in self.token_processor.process(frame, self.sequences):
+        deltas = self._apply_events(events)
+        terminated = frozenset(events.grammar_terminated)
+        for seq, delta in self.token_processor.process(frame, self.sequences, terminated):
             if delta.finish_reason is not None:
                 self._release(seq)
             deltas.append(delta)
+        return deltas
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return any(not seq.grammar_ready for seq in self.scheduler.waiting)
+
+    def _apply_events(self, events: WorkerEvents) -> list[RequestDelta]:
+        for seq_id in events.grammar_ready:
+            if seq_id in self.sequences:
+                self.sequences[seq_id].grammar_ready = True
+        deltas = []
+        failures = [(seq_id, message, 400) for seq_id, message in events.grammar_failed]
+        failures += [(seq_id, message, 500) for seq_id, message in events.seq_errors]
+        for seq_id, message, status in failures:
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                self._release(seq)
+                deltas.append(RequestDelta(seq.request_id, [], finish_reason="error", error=message,
+                                           error_status=status, num_prompt_tokens=len(seq.prompt_token_ids)))
         return deltas
 
     def shutdown(self) -> None:

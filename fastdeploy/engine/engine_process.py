@@ -28,6 +28,7 @@ from fastdeploy.ipc import endpoint, process_alive, socket
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+GRAMMAR_POLL_MS = 5
 GAUGE_INTERVAL_S = 1.0
 
 
@@ -70,7 +71,9 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
     last_sent = 0.0
     while not stopping():
         deltas: list[RequestDelta] = []
-        timeout = 0 if core.has_work() else IDLE_POLL_MS
+        # Sequences that only wait for a grammar compile need a poll now and then, not a spin.
+        busy = core.has_work() and not (core.num_running == 0 and core.waiting_for_grammar)
+        timeout = 0 if busy else (GRAMMAR_POLL_MS if core.has_work() else IDLE_POLL_MS)
         while in_sock.poll(timeout):
             timeout = 0
             message = decoder.decode(in_sock.recv())

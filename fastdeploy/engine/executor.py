@@ -12,15 +12,15 @@ import zmq
 from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
-from fastdeploy.worker.step_input import StepInput
+from fastdeploy.worker.step_input import StepInput, WorkerEvents
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker
 
 
 class Executor(Protocol):
     info: WorkerInfo
 
-    def execute(self, step: StepInput) -> bytes:
-        """Run one step; return its packed frame."""
+    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
+        """Run one step; return its packed frame and its non-token events."""
 
     def shutdown(self) -> None: ...
 
@@ -32,7 +32,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config)
         self.info = self.runner.info
 
-    def execute(self, step: StepInput) -> bytes:
+    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
@@ -49,6 +49,7 @@ class WorkerProcessExecutor:
     def __init__(self, config: EngineConfig, ipc_dir: str, startup_timeout_s: float = 600.0,
                  step_timeout_s: float = 600.0) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._events_decoder = msgspec.msgpack.Decoder(WorkerEvents)
         self.step_timeout_s = step_timeout_s
         self.ctx = zmq.Context()
         self.sock = socket(self.ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=True)
@@ -61,19 +62,18 @@ class WorkerProcessExecutor:
             raise WorkerError(f"worker failed to start:\n{payload.decode()}")
         self.info = msgspec.msgpack.decode(payload, type=WorkerInfo)
 
-    def _recv(self, timeout_s: float) -> tuple[bytes, bytes]:
+    def _recv(self, timeout_s: float) -> list[bytes]:
         try:
-            kind, payload = recv_with_liveness(self.sock, self.process.pid, timeout_s)
+            return recv_with_liveness(self.sock, self.process.pid, timeout_s)
         except (PeerDiedError, TimeoutError) as exc:
             raise WorkerError(f"worker process lost: {exc}") from exc
-        return kind, payload
 
-    def execute(self, step: StepInput) -> bytes:
+    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
         self.sock.send_multipart([STEP, self._encoder.encode(step)])
-        kind, payload = self._recv(self.step_timeout_s)
+        kind, *payload = self._recv(self.step_timeout_s)
         if kind != FRAME:
-            raise WorkerError(f"worker step failed:\n{payload.decode()}")
-        return payload
+            raise WorkerError(f"worker step failed:\n{payload[0].decode()}")
+        return payload[0], self._events_decoder.decode(payload[1])
 
     def shutdown(self) -> None:
         if self.process.is_alive():

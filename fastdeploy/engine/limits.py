@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.engine.errors import ParameterError
+from fastdeploy.model_executor.guided_decoding.spec import spec_param, validate_guided_spec
 
 if TYPE_CHECKING:
     from fastdeploy.engine.request import EngineRequest
@@ -18,6 +19,7 @@ class EngineLimits(msgspec.Struct, array_like=True):
     max_logprobs: int
     enable_keep_sampling_mask: bool
     kv_capacity_tokens: int  # whole KV pool, in tokens
+    guided_decoding: bool = True
 
     def validate(self, request: "EngineRequest", prompt_param: str = "prompt") -> None:
         """Raise ParameterError naming the parameter that makes `request` impossible."""
@@ -38,6 +40,11 @@ class EngineLimits(msgspec.Struct, array_like=True):
                 "return_sampling_mask needs the server to run with --enable-keep-sampling-mask",
                 "return_sampling_mask",
             )
+        if request.params.guided is not None:
+            if not self.guided_decoding:
+                raise ParameterError("structured output is disabled on this server (--guided-decoding-backend off)",
+                                     spec_param(request.params.guided))
+            validate_guided_spec(request.params.guided)
         max_tokens = request.params.max_tokens or self.max_model_len
         longest = min(num_prompt + max_tokens, self.max_model_len)
         if longest > self.kv_capacity_tokens:

@@ -45,6 +45,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None
+    # HTTP status the error maps to: 400 for the request's own fault (a grammar that
+    # fails to compile), 500 otherwise.
+    error_status: int = 500
     num_prompt_tokens: int = 0
 
 

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+from fastdeploy.engine.errors import ParameterError
+from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 
-class ParameterError(ValueError):
-    """A request parameter is out of range; `param` names it for the 400 response."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["ParameterError", "SamplingParams"]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -35,6 +32,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     return_sampling_mask: bool | None = None  # None: follow the server flag
     skip_special_tokens: bool = True
+    # Structured output: a JSON schema, regex, choice list, EBNF grammar or structural tag.
+    guided: GuidedSpec | None = None
 
     def validate(self, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Raise ParameterError naming the first bad parameter."""

@@ -111,7 +111,10 @@ class LLM:
             self.engine.add_request(request)
         progress = tqdm(total=len(requests), disable=not use_tqdm, desc="generating")
         while self.engine.has_work():
-            for delta in self.engine.step():
+            deltas = self.engine.step()
+            if not deltas and self.engine.num_running == 0 and self.engine.waiting_for_grammar:
+                time.sleep(0.005)  # only grammar compiles are in flight
+            for delta in deltas:
                 state, output = states[delta.request_id]
                 chunk = state.update(delta)
                 _accumulate(output, chunk)
@@ -133,4 +136,4 @@ def _accumulate(output: CompletionOutput, chunk) -> None:
         output.sampling_logz = (output.sampling_logz or []) + chunk.sampling_logz
     if chunk.finish_reason is not None:
         output.finish_reason = chunk.finish_reason
-        output.stop_reason = chunk.stop_reason
+        output.stop_reason = chunk.error if chunk.finish_reason == "error" else chunk.stop_reason

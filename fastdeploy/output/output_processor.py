@@ -36,6 +36,7 @@ class OutputChunk:
     finish_reason: str | None
     stop_reason: int | str | None
     error: str | None
+    error_status: int
     num_prompt_tokens: int
 
 
@@ -99,5 +100,6 @@ class RequestOutputState:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             error=delta.error,
+            error_status=delta.error_status,
             num_prompt_tokens=delta.num_prompt_tokens,
         )

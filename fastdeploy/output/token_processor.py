@@ -24,10 +24,12 @@ class TokenProcessor:
             return "length", None
         return None, None
 
-    def process(self, frame_bytes: bytes, sequences: dict[int, Sequence]) -> list[tuple[Sequence, RequestDelta]]:
+    def process(self, frame_bytes: bytes, sequences: dict[int, Sequence],
+                grammar_terminated: frozenset[int] = frozenset()) -> list[tuple[Sequence, RequestDelta]]:
         """Append accepted tokens to their sequences; return one delta per sequence in the frame.
 
         Tokens after a finishing token within one step (speculative runs) are dropped.
+        A sequence whose grammar completed this step finishes with "stop".
         """
         results = []
         for part in split_by_sequence(unpack_step_frame(frame_bytes)):
@@ -42,6 +44,8 @@ class TokenProcessor:
                 finish_reason, stop_reason = self._finish_reason(seq, token)
                 if finish_reason:
                     break
+            if finish_reason is None and part.seq_id in grammar_terminated:
+                finish_reason = "stop"
             # Rows that opted out travel as empty CSR rows; they must not read as "null".
             wants_mask = seq.return_sampling_mask and part.sampling_mask is not None
             delta = RequestDelta(

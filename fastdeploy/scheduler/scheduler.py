@@ -95,14 +95,18 @@ class Scheduler:
             budget -= num
 
         # New work only when nothing had to be preempted, so admission cannot thrash.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        # Sequences whose grammar still compiles are passed over, not waited for.
+        for seq in list(self.waiting):
+            if preempted or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not seq.grammar_ready:
+                continue
             num = min(seq.num_uncomputed_tokens, budget)
             # Admit only with room for the whole known sequence plus its next token,
             # so a fresh admission does not immediately force a preemption.
             if not self.block_manager.can_grow([], seq.num_tokens + 1):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.block_manager.grow(seq.block_ids, seq.num_computed_tokens + num)

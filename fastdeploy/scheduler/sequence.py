@@ -22,6 +22,8 @@ class Sequence:
     params: SamplingParams
     arrival_time: float = 0.0
     return_sampling_mask: bool = False
+    # False while the worker compiles this sequence's grammar; it is not admitted until then.
+    grammar_ready: bool = True
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V is in the cache; reset to 0 by a recompute preemption.

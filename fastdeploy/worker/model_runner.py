@@ -16,7 +16,8 @@ from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, S
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
-from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
+from fastdeploy.worker.guided_runtime import GuidedRuntime
+from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.sampler = Sampler()
         self.sequences: dict[int, WorkerSequence] = {}
+        self.guided: GuidedRuntime | None = None
+        if config.guided_decoding_backend == "xgrammar":
+            self.guided = GuidedRuntime(config.model, self.model_config.vocab_size,
+                                        list(self.model_config.eos_token_ids), config.grammar_compile_timeout_s,
+                                        config.grammar_cache_mb * 1024 * 1024)
 
     @property
     def info(self) -> WorkerInfo:
@@ -79,27 +85,46 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> bytes:
+    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
+        """Run one step; return its packed frame and its non-token events."""
+        events = WorkerEvents()
         for seq_id in step.freed_seq_ids:
             self.sequences.pop(seq_id, None)
+            if self.guided is not None:
+                self.guided.free(seq_id)
         for new in step.new_sequences:
             self._register(new)
-        if not step.chunks:
-            return pack_step_frame(_empty_frame(step.message_id))
+        if self.guided is not None:
+            for request in step.grammar_requests:
+                self.guided.request(request.seq_id, request.spec)
+            self.guided.poll(events)
+        elif step.grammar_requests:
+            events.grammar_failed.extend([r.seq_id, "structured output is disabled on this server"]
+                                         for r in step.grammar_requests)
+        sampled_chunks = [c for c in step.chunks if c.sample]
+        if not sampled_chunks and not step.chunks:
+            return pack_step_frame(_empty_frame(step.message_id)), events
 
+        seq_ids = [c.seq_id for c in sampled_chunks]
+        # The bitmask depends only on tokens accepted so far: fill it before the forward
+        # pass, so on a GPU the CPU work overlaps the model.
+        bitmask = self.guided.bitmask(seq_ids) if self.guided is not None and seq_ids else None
         input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(step.chunks)
         hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
-        sampled_chunks = [step.chunks[i] for i, _ in sample_rows]
         if not sampled_chunks:
-            return pack_step_frame(_empty_frame(step.message_id))
+            return pack_step_frame(_empty_frame(step.message_id)), events
         last_token_index = torch.tensor([row for _, row in sample_rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token_index]).float()
-        states = [self.sequences[c.seq_id] for c in sampled_chunks]
-        output = self.sampler(logits, self._sampling_metadata(states))
+        states = [self.sequences[seq_id] for seq_id in seq_ids]
+        metadata = self._sampling_metadata(states)
+        metadata.token_bitmask = bitmask
+        output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids.tolist()
         for state, token in zip(states, sampled):
             state.output_token_ids.append(token)
-        return pack_step_frame(_frame_from_output(step.message_id, sampled_chunks, output))
+        if self.guided is not None:
+            self.guided.accept(seq_ids, sampled, events)
+        return pack_step_frame(_frame_from_output(step.message_id, sampled_chunks, output)), events
 
     def _prepare_inputs(
         self, chunks: list[ChunkInput]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 
 
 class NewSequence(msgspec.Struct, array_like=True):
@@ -24,8 +25,28 @@ class ChunkInput(msgspec.Struct, array_like=True):
     sample: bool  # whether this chunk ends at the sequence's last known token
 
 
+class GrammarRequest(msgspec.Struct, array_like=True):
+    """Sent when a constrained sequence arrives, before it is scheduled, so it compiles meanwhile."""
+
+    seq_id: int
+    spec: GuidedSpec
+
+
 class StepInput(msgspec.Struct, array_like=True):
     message_id: int
     new_sequences: list[NewSequence]
     chunks: list[ChunkInput]  # decode chunks (one token) first, then prefill chunks
     freed_seq_ids: list[int]  # finished or aborted: drop worker state
+    grammar_requests: list[GrammarRequest] = []
+
+
+class WorkerEvents(msgspec.Struct, array_like=True):
+    """Per-step news that is not a token: travels as the second part of the step's reply."""
+
+    grammar_ready: list[int] = []
+    grammar_failed: list[list] = []  # [seq_id, message]
+    grammar_terminated: list[int] = []  # the grammar is complete: finish with "stop"
+    seq_errors: list[list] = []  # [seq_id, message]: fail that sequence only
+
+    def __bool__(self) -> bool:
+        return bool(self.grammar_ready or self.grammar_failed or self.grammar_terminated or self.seq_errors)

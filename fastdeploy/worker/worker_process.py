@@ -38,6 +38,7 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
         sock.send_multipart([ERROR, traceback.format_exc().encode()])
         raise
     decoder = msgspec.msgpack.Decoder(StepInput)
+    encoder = msgspec.msgpack.Encoder()
     try:
         while True:
             try:
@@ -48,12 +49,12 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
             if kind == SHUTDOWN:
                 break
             try:
-                frame = runner.execute(decoder.decode(payload[0]))
+                frame, events = runner.execute(decoder.decode(payload[0]))
             except Exception:
                 logger.exception("step failed")
                 sock.send_multipart([ERROR, traceback.format_exc().encode()])
                 continue
-            sock.send_multipart([FRAME, frame], copy=False)
+            sock.send_multipart([FRAME, frame, encoder.encode(events)], copy=False)
     finally:
         sock.close()
         ctx.term()

@@ -58,6 +58,7 @@ class ChoiceAccumulator:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_status: int = 500
 
     def add(self, chunk: OutputChunk) -> None:
         self.text += chunk.text
@@ -69,6 +70,7 @@ class ChoiceAccumulator:
             self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
         if chunk.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = chunk.finish_reason, chunk.stop_reason, chunk.error
+            self.error_status = chunk.error_status
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

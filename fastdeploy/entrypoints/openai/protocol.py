@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
+from fastdeploy.model_executor.guided_decoding.spec import guided_spec_from_request
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structural_tag")
 
 
 class StreamOptions(BaseModel):
@@ -57,6 +63,13 @@ class CommonRequest(BaseModel):
     return_token_ids: bool = False
     return_sampling_mask: bool | None = None
     user: str | None = None
+    # Structured output; at most one form per request.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -91,6 +104,8 @@ class CommonRequest(BaseModel):
             logprobs=self._num_logprobs(),
             return_sampling_mask=self.return_sampling_mask,
             skip_special_tokens=self.skip_special_tokens,
+            guided=guided_spec_from_request(
+                {f: getattr(self, f) for f in GUIDED_FIELDS if getattr(self, f) is not None}),
         )
 
 

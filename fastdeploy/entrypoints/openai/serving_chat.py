@@ -42,8 +42,7 @@ class OpenAIServingChat(OpenAIServing):
             choices[event.index].add(event.chunk)
         for choice in choices:
             if choice.finish_reason == "error":
-                status = 503 if not self.client.healthy else 500
-                raise APIError(status, choice.error or "generation failed", "server_error")
+                raise self.generation_error(choice.error, choice.error_status)
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -81,8 +80,7 @@ class OpenAIServingChat(OpenAIServing):
             async for event in self.run_choices(engine_requests):
                 c = event.chunk
                 if c.finish_reason == "error":
-                    status = 503 if not self.client.healthy else 500
-                    yield sse(APIError(status, c.error or "generation failed", "server_error").body())
+                    yield sse(self.generation_error(c.error, c.error_status).body())
                     break
                 completion_tokens += len(c.token_ids)
                 choice = {

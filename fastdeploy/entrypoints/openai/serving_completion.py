@@ -41,8 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choices[event.index].add(event.chunk)
         for choice in choices:
             if choice.finish_reason == "error":
-                status = 503 if not self.client.healthy else 500
-                raise APIError(status, choice.error or "generation failed", "server_error")
+                raise self.generation_error(choice.error, choice.error_status)
         body = {
             "id": request_id,
             "object": "text_completion",
@@ -75,8 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
             async for event in self.run_choices(engine_requests):
                 c = event.chunk
                 if c.finish_reason == "error":
-                    status = 503 if not self.client.healthy else 500
-                    yield sse(APIError(status, c.error or "generation failed", "server_error").body())
+                    yield sse(self.generation_error(c.error, c.error_status).body())
                     break
                 completion_tokens += len(c.token_ids)
                 choice = {

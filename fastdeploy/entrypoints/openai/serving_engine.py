@@ -43,6 +43,14 @@ class OpenAIServing:
         if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
+    def generation_error(self, message: str | None, status: int) -> APIError:
+        """The error a choice finished with: 503 once the engine is gone, else the engine's status."""
+        if not self.client.healthy:
+            return engine_unavailable(message or "the engine stopped")
+        if status == 400:
+            return bad_request(message or "invalid request")
+        return APIError(status, message or "generation failed", "server_error")
+
     def sampling_params(self, request: CommonRequest) -> SamplingParams:
         try:
             params = request.to_sampling_params()

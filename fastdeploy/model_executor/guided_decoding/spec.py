@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.engine.errors import ParameterError
 
 __all__ = ["GUIDED_KINDS", "GuidedSpec", "guided_spec_from_request", "validate_guided_spec"]
 

@@ -1,0 +1,85 @@
+"""The worker's grammar state: asynchronous compiles and one matcher per constrained sequence."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
+from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
+from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.worker.step_input import WorkerEvents
+
+logger = logging.getLogger(__name__)
+
+
+class GuidedRuntime:
+    """Compiles in background threads; the step loop only polls, so no step waits on a compile.
+
+    The tokenizer (needed for xgrammar's TokenizerInfo) loads in the background too, so
+    a worker that never sees a constrained request never pays for it.
+    """
+
+    def __init__(self, model: str | None, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
+                 cache_limit_bytes: int) -> None:
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._boot = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-boot")
+        self._service: Future[GrammarCompileService] = self._boot.submit(
+            self._build_service, model, vocab_size, timeout_s, cache_limit_bytes)
+        self._unsubmitted: dict[int, GuidedSpec] = {}
+        self.states: dict[int, GuidedState] = {}
+
+    @staticmethod
+    def _build_service(model: str | None, vocab_size: int, timeout_s: float,
+                       cache_limit_bytes: int) -> GrammarCompileService:
+        from fastdeploy.model_executor.model_loader import get_tokenizer
+
+        return GrammarCompileService.from_tokenizer(get_tokenizer(model), vocab_size, timeout_s=timeout_s,
+                                                    cache_limit_bytes=cache_limit_bytes)
+
+    def request(self, seq_id: int, spec: GuidedSpec) -> None:
+        self._unsubmitted[seq_id] = spec
+
+    def free(self, seq_id: int) -> None:
+        self._unsubmitted.pop(seq_id, None)
+        self.states.pop(seq_id, None)
+        if self._service.done() and self._service.exception() is None:
+            self._service.result().cancel(seq_id)
+
+    def poll(self, events: WorkerEvents) -> None:
+        """Start queued compiles once the service is up; record finished ones in `events`."""
+        if not self._service.done():
+            return
+        if self._service.exception() is not None:
+            message = f"structured output is unavailable: {self._service.exception()}"
+            events.grammar_failed.extend([seq_id, message] for seq_id in self._unsubmitted)
+            self._unsubmitted.clear()
+            return
+        service = self._service.result()
+        for seq_id, spec in self._unsubmitted.items():
+            service.submit(seq_id, spec)
+        self._unsubmitted.clear()
+        ready, failed = service.poll()
+        for seq_id, compiled in ready.items():
+            self.states[seq_id] = GuidedState(compiled, stop_token_ids=self.stop_token_ids)
+            events.grammar_ready.append(seq_id)
+        events.grammar_failed.extend([seq_id, message] for seq_id, message in failed.items())
+
+    def bitmask(self, seq_ids: list[int]) -> torch.Tensor | None:
+        """int32 [B, ceil(V/32)] for the rows sampled this step; None when none is constrained."""
+        return fill_bitmasks([self.states.get(s) for s in seq_ids], self.vocab_size)
+
+    def accept(self, seq_ids: list[int], tokens: list[int], events: WorkerEvents) -> None:
+        for seq_id, token in zip(seq_ids, tokens):
+            state = self.states.get(seq_id)
+            if state is None:
+                continue
+            if not state.accept(token):
+                # A sampled token outside the bitmask is a bug; it fails this request only.
+                logger.error("grammar rejected token %d of sequence %d", token, seq_id)
+                events.seq_errors.append([seq_id, f"internal error: the grammar rejected sampled token {token}"])
+            elif state.is_terminated:
+                events.grammar_terminated.append(seq_id)
