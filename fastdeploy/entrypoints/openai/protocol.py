@@ -71,6 +71,14 @@ class CommonRequest(BaseModel):
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
 
+    def guided_field(self) -> str | None:
+        """The structured-output field this request used, for naming it in errors."""
+        for name in GUIDED_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (name == "response_format" and value.get("type") == "text"):
+                return name
+        return None
+
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 

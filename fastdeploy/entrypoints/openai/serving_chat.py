@@ -29,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request)
         prompt = self._prompt_tokens(request)
         request_id = new_request_id("chatcmpl")
-        engine_requests = self.engine_requests(request_id, [prompt], params, "messages")
+        engine_requests = self.engine_requests(request, request_id, [prompt], params, "messages")
         model = request.model or self.served_model_names[0]
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, model, prompt, engine_requests),

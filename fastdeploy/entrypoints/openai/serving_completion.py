@@ -27,7 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
                    for p in request.prompts()]
         request_id = new_request_id("cmpl")
-        engine_requests = self.engine_requests(request_id, prompts, params, "prompt")
+        engine_requests = self.engine_requests(request, request_id, prompts, params, "prompt")
         model = request.model or self.served_model_names[0]
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, model, prompts, engine_requests),

@@ -17,7 +17,7 @@ from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
-from fastdeploy.entrypoints.openai.protocol import CommonRequest
+from fastdeploy.entrypoints.openai.protocol import GUIDED_FIELDS, CommonRequest
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import OutputChunk, RequestOutputState
 
@@ -60,8 +60,8 @@ class OpenAIServing:
             raise bad_request("n must be at most 16", "n")
         return params
 
-    def engine_requests(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                        prompt_param: str) -> list[EngineRequest]:
+    def engine_requests(self, request: CommonRequest, request_id: str, prompts: list[list[int]],
+                        params: SamplingParams, prompt_param: str) -> list[EngineRequest]:
         """One engine request per (prompt, choice); validated here so a bad one is a 400, not a stream error."""
         if not self.client.healthy:
             raise engine_unavailable(f"the engine is not available: {self.client.dead_reason}")
@@ -76,7 +76,9 @@ class OpenAIServing:
             try:
                 self.client.limits.validate(engine_request, prompt_param)
             except ParameterError as exc:
-                raise bad_request(str(exc), exc.param) from None
+                guided_field = request.guided_field()
+                param = guided_field if guided_field and exc.param in GUIDED_FIELDS else exc.param
+                raise bad_request(str(exc), param) from None
         return requests
 
     async def run_choices(self, requests: list[EngineRequest]) -> AsyncIterator[ChoiceEvent]:
