@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.engine.errors import ParameterError
 from fastdeploy.model_executor.guided_decoding import GuidedSpec, guided_spec_from_request, validate_guided_spec
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["a"]}
