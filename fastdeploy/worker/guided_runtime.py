@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -37,8 +38,10 @@ class GuidedRuntime:
                        cache_limit_bytes: int) -> GrammarCompileService:
         from fastdeploy.model_executor.model_loader import get_tokenizer
 
+        # Half the cores per compile: the other half keeps decoding the unconstrained requests.
+        threads = max(1, (os.cpu_count() or 2) // 2)
         return GrammarCompileService.from_tokenizer(get_tokenizer(model), vocab_size, timeout_s=timeout_s,
-                                                    cache_limit_bytes=cache_limit_bytes)
+                                                    cache_limit_bytes=cache_limit_bytes, compiler_threads=threads)
 
     def request(self, seq_id: int, spec: GuidedSpec) -> None:
         self._unsubmitted[seq_id] = spec

@@ -21,8 +21,9 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def async_client(server):
+    """A fresh client per test: its connection pool belongs to the test's own event loop."""
     import openai
 
     return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, timeout=300, max_retries=0)
