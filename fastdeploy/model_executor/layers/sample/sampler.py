@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fastdeploy.model_executor.layers.sample import kept_set_gpu
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput, SamplingMetadata
 from fastdeploy.model_executor.layers.sample.ops import (
     apply_logit_bias_,
@@ -149,8 +150,17 @@ class Sampler:
         # Truncating rows: kept set as a sorted window, decided in float64; the draw
         # (Gumbel-max over the kept entries = a draw from the renormalised kept
         # distribution) only looks at the window.
-        win = x_t = None
-        if t_rows.numel():
+        win = x_t = kept = None
+        fast = kept_set_gpu.use_fast_path(device)  # CUDA: threshold kept set, no sort
+        if t_rows.numel() and fast:
+            proc_t = take_rows(proc, t_rows)
+            kept = kept_set_gpu.fast_kept_set(
+                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows], want_mask
+            )
+            x_t = apply_temperature(proc_t, temperature[t_rows])  # float32 [T, V]
+            scores = (x_t + gumbel_noise(t_rows, v, meta.generators, device)).masked_fill_(~kept.mask, NEG_INF)
+            sampled[t_rows] = scores.argmax(dim=1)
+        elif t_rows.numel():
             proc_t = take_rows(proc, t_rows)
             win = kept_window(
                 proc_t,
@@ -189,7 +199,9 @@ class Sampler:
                 final = torch.full((b, v), NEG_INF, device=device)
                 if p_rows.numel():
                     final[p_rows] = x_p
-                if t_rows.numel():
+                if t_rows.numel() and fast:
+                    final[t_rows] = x_t.masked_fill(~kept.mask, NEG_INF)
+                elif t_rows.numel():
                     r_ix = t_rows.unsqueeze(1).expand_as(win.idx)[win.keep]
                     final[r_ix, win.idx[win.keep]] = x_t[win.keep]
                 if g_rows.numel():
@@ -199,7 +211,9 @@ class Sampler:
                 lp = torch.log_softmax(logits.float(), dim=1)
             out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = _gather_log_probs(lp, sampled, k)
 
-        if want_mask:
+        if want_mask and fast:
+            kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, g_rows, t_rows, kept)
+        elif want_mask:
             _fill_sampling_mask(out, proc, requested, g_rows, t_rows, win)
         return out
 
