@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -16,19 +16,7 @@ from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import get_tokenizer
 from fastdeploy.output.detokenizer import TokenTexts
-from fastdeploy.output.output_processor import RequestOutputState, TokenLogprob
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    sampling_mask: list[list[int] | None] | None = None
-    sampling_logz: list[float] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
 
 
 @dataclass
@@ -41,14 +29,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: its own sequence, and its own seed so the samples differ."""
-    import msgspec
-
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 class LLM:
@@ -101,7 +81,7 @@ class LLM:
             outputs = [CompletionOutput(index=i) for i in range(params.n)]
             results.append(RequestOutput(request_id, text, tokens, outputs))
             for i, output in enumerate(outputs):
-                child = child_params(params, i)
+                child = params.for_choice(i)
                 engine_request = EngineRequest(f"{request_id}-{i}", tokens, child, time.time())
                 self.engine.validate(engine_request)
                 requests.append(engine_request)
@@ -117,7 +97,7 @@ class LLM:
             for delta in deltas:
                 state, output = states[delta.request_id]
                 chunk = state.update(delta)
-                _accumulate(output, chunk)
+                output.add(chunk)
                 if chunk.finish_reason is not None:
                     progress.update(1)
                     if delta.finish_reason is None:  # a stop string ended it on this side
@@ -125,15 +105,3 @@ class LLM:
         progress.close()
         return results
 
-
-def _accumulate(output: CompletionOutput, chunk) -> None:
-    output.text += chunk.text
-    output.token_ids.extend(chunk.token_ids)
-    if chunk.logprobs is not None:
-        output.logprobs = (output.logprobs or []) + chunk.logprobs
-    if chunk.sampling_mask is not None:
-        output.sampling_mask = (output.sampling_mask or []) + chunk.sampling_mask
-        output.sampling_logz = (output.sampling_logz or []) + chunk.sampling_logz
-    if chunk.finish_reason is not None:
-        output.finish_reason = chunk.finish_reason
-        output.stop_reason = chunk.error if chunk.finish_reason == "error" else chunk.stop_reason

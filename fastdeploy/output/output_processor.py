@@ -40,6 +40,34 @@ class OutputChunk:
     num_prompt_tokens: int
 
 
+@dataclass
+class CompletionOutput:
+    """One whole sample, accumulated from its chunks (offline results, non-streaming responses)."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    sampling_mask: list[list[int] | None] | None = None
+    sampling_logz: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    error_status: int = 500
+
+    def add(self, chunk: OutputChunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        if chunk.sampling_mask is not None:
+            self.sampling_mask = (self.sampling_mask or []) + chunk.sampling_mask
+            self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+            self.error, self.error_status = chunk.error, chunk.error_status
+
+
 class RequestOutputState:
     """Turns one sequence's engine deltas into text chunks, applying stop strings.
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
-from fastdeploy.output.output_processor import OutputChunk, TokenLogprob
+from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, TokenLogprob
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
@@ -35,7 +34,7 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
     }
 
 
-def extra_fields(chunk_or_choice: "ChoiceAccumulator | OutputChunk", return_token_ids: bool) -> dict:
+def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_ids: bool) -> dict:
     """The fields OpenAI does not have: sampling masks and token ids."""
     extra = {}
     if chunk_or_choice.sampling_mask is not None:
@@ -44,33 +43,6 @@ def extra_fields(chunk_or_choice: "ChoiceAccumulator | OutputChunk", return_toke
     if return_token_ids:
         extra["token_ids"] = chunk_or_choice.token_ids
     return extra
-
-
-@dataclass
-class ChoiceAccumulator:
-    """A whole choice, built from its chunks for a non-streaming response."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    sampling_mask: list | None = None
-    sampling_logz: list[float] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    error_status: int = 500
-
-    def add(self, chunk: OutputChunk) -> None:
-        self.text += chunk.text
-        self.token_ids.extend(chunk.token_ids)
-        if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
-        if chunk.sampling_mask is not None:
-            self.sampling_mask = (self.sampling_mask or []) + chunk.sampling_mask
-            self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
-        if chunk.finish_reason is not None:
-            self.finish_reason, self.stop_reason, self.error = chunk.finish_reason, chunk.stop_reason, chunk.error
-            self.error_status = chunk.error_status
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

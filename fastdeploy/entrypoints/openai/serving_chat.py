@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request
-from fastdeploy.entrypoints.openai.formatting import ChoiceAccumulator, chat_logprobs, extra_fields, sse, usage
+from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, sse, usage
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
 
@@ -37,12 +37,7 @@ class OpenAIServingChat(OpenAIServing):
         return await until_disconnected(raw_request, self._full(request, request_id, model, prompt, engine_requests))
 
     async def _full(self, request, request_id, model, prompt, engine_requests) -> JSONResponse:
-        choices = [ChoiceAccumulator() for _ in engine_requests]
-        async for event in self.run_choices(engine_requests):
-            choices[event.index].add(event.chunk)
-        for choice in choices:
-            if choice.finish_reason == "error":
-                raise self.generation_error(choice.error, choice.error_status)
+        choices = await self.collect_choices(engine_requests)
         body = {
             "id": request_id,
             "object": "chat.completion",

@@ -10,7 +10,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy.entrypoints.openai.errors import APIError
 from fastdeploy.entrypoints.openai.formatting import (
-    ChoiceAccumulator,
     completion_logprobs,
     extra_fields,
     sse,
@@ -36,12 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                         self._full(request, request_id, model, prompts, engine_requests))
 
     async def _full(self, request, request_id, model, prompts, engine_requests) -> JSONResponse:
-        choices = [ChoiceAccumulator() for _ in engine_requests]
-        async for event in self.run_choices(engine_requests):
-            choices[event.index].add(event.chunk)
-        for choice in choices:
-            if choice.finish_reason == "error":
-                raise self.generation_error(choice.error, choice.error_status)
+        choices = await self.collect_choices(engine_requests)
         body = {
             "id": request_id,
             "object": "text_completion",

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import msgspec
 from fastapi import Request
 
 from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
@@ -19,7 +18,7 @@ from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_u
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import GUIDED_FIELDS, CommonRequest
 from fastdeploy.output.detokenizer import TokenTexts
-from fastdeploy.output.output_processor import OutputChunk, RequestOutputState
+from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, RequestOutputState
 
 DISCONNECT_POLL_S = 0.5
 
@@ -69,9 +68,7 @@ class OpenAIServing:
         requests = []
         for p, tokens in enumerate(prompts):
             for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                child = msgspec.structs.replace(params, n=1, seed=seed)
-                requests.append(EngineRequest(f"{request_id}-{p}-{i}", tokens, child, now))
+                requests.append(EngineRequest(f"{request_id}-{p}-{i}", tokens, params.for_choice(i), now))
         for engine_request in requests:
             try:
                 self.client.limits.validate(engine_request, prompt_param)
@@ -80,6 +77,16 @@ class OpenAIServing:
                 param = guided_field if guided_field and exc.param in GUIDED_FIELDS else exc.param
                 raise bad_request(str(exc), param) from None
         return requests
+
+    async def collect_choices(self, requests: list[EngineRequest]) -> list[CompletionOutput]:
+        """Run every choice to the end; the first failed choice fails the whole response."""
+        choices = [CompletionOutput(index=i) for i in range(len(requests))]
+        async for event in self.run_choices(requests):
+            choices[event.index].add(event.chunk)
+        for choice in choices:
+            if choice.finish_reason == "error":
+                raise self.generation_error(choice.error, choice.error_status)
+        return choices
 
     async def run_choices(self, requests: list[EngineRequest]) -> AsyncIterator[ChoiceEvent]:
         """Merge the deltas of all choices as they come, index = position in `requests`."""
