@@ -82,12 +82,17 @@ K_CAP = 4096
 _ENV_FLAG = "FD_SAMPLER_FAST_KEPT_SET"
 
 
-def use_fast_path(device: torch.device) -> bool:
-    """Whether the sampler computes kept sets with `threshold_kept_set` on ``device``."""
+def use_fast_path(device: torch.device, uses_top_p: bool = False) -> bool:
+    """Whether the sampler computes kept sets with `threshold_kept_set` on ``device``.
+
+    By default only on CUDA and only for batches without top-p: on the H100 the threshold
+    search beats the full sort 2-7x for min-p and top-k, but is 1.5-2.5x slower than it
+    once top-p is on (see docs/benchmarks.md), so top-p batches keep the sorted window.
+    """
     flag = os.environ.get(_ENV_FLAG, "")
     if flag in ("0", "1"):
         return flag == "1"
-    return device.type == "cuda"
+    return device.type == "cuda" and not uses_top_p
 
 
 @dataclass

@@ -151,7 +151,8 @@ class Sampler:
         # (Gumbel-max over the kept entries = a draw from the renormalised kept
         # distribution) only looks at the window.
         win = x_t = kept = None
-        fast = kept_set_gpu.use_fast_path(device)  # CUDA: threshold kept set, no sort
+        fast = t_rows.numel() > 0 and kept_set_gpu.use_fast_path(
+            device, uses_top_p=bool((meta.top_p[t_rows] < 1.0).any()))  # CUDA: threshold kept set, no sort
         if t_rows.numel() and fast:
             proc_t = take_rows(proc, t_rows)
             kept = kept_set_gpu.fast_kept_set(
