@@ -38,3 +38,31 @@ def test_mask_opt_out_per_request(mask_llm):
                                           SamplingParams(top_p=0.8, max_tokens=4)])
     assert outs[0].outputs[0].sampling_mask is None
     assert len(outs[1].outputs[0].sampling_mask) == len(outs[1].outputs[0].token_ids)
+
+
+def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
+    """With structured output, each kept set is a subset of the tokens the grammar allowed."""
+    import json
+
+    from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
+    from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
+    from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+    from fastdeploy.model_executor.layers.sample.ops import unpack_token_bitmask
+
+    spec = GuidedSpec("json_schema", json.dumps(
+        {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"}},
+         "required": ["colour", "n"]}))
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=11, logprobs=3, guided=spec)
+    out = mask_llm.chat([{"role": "user", "content": "A colour and a number as JSON."}], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+    assert len(out.sampling_mask) == len(out.token_ids) == len(out.logprobs)
+
+    config = mask_llm.engine.executor.runner.model_config
+    service = GrammarCompileService.from_tokenizer(mask_llm.tokenizer, config.vocab_size)
+    state = GuidedState(service.compile(spec), stop_token_ids=list(config.eos_token_ids))
+    for token, mask in zip(out.token_ids, out.sampling_mask):
+        allowed = unpack_token_bitmask(fill_bitmasks([state], config.vocab_size), config.vocab_size)[0]
+        assert mask is not None and token in mask
+        assert bool(allowed[mask].all()), "a kept token was outside the grammar"
+        assert state.accept(token)
+    service.shutdown()
