@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastdeploy.entrypoints.openai.errors import APIError, bad_request
+from fastdeploy.entrypoints.openai.errors import bad_request
 from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, sse, usage
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
@@ -70,27 +70,17 @@ class OpenAIServingChat(OpenAIServing):
         first = {"prompt_token_ids": prompt} if request.return_token_ids else {}
         yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(engine_requests))], **first))
-        completion_tokens = 0
-        try:
-            async for event in self.run_choices(engine_requests):
-                c = event.chunk
-                if c.finish_reason == "error":
-                    yield sse(self.generation_error(c.error, c.error_status).body())
-                    break
-                completion_tokens += len(c.token_ids)
-                choice = {
-                    "index": event.index,
-                    "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
-                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    **extra_fields(c, request.return_token_ids),
-                }
-                if c.finish_reason is not None:
-                    choice["stop_reason"] = c.stop_reason
-                yield sse(chunk([choice]))
-            else:
-                if request.stream_options and request.stream_options.include_usage:
-                    yield sse(chunk([], usage=usage(len(prompt), completion_tokens)))
-        except APIError as exc:
-            yield sse(exc.body())
-        yield sse("[DONE]")
+
+        def format_choice(event) -> dict:
+            c = event.chunk
+            return {
+                "index": event.index,
+                "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                **extra_fields(c, request.return_token_ids),
+            }
+
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        async for line in self.sse_events(engine_requests, format_choice, chunk, len(prompt), include_usage):
+            yield line

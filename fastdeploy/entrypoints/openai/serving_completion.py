@@ -8,11 +8,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastdeploy.entrypoints.openai.errors import APIError
 from fastdeploy.entrypoints.openai.formatting import (
     completion_logprobs,
     extra_fields,
-    sse,
     usage,
 )
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
@@ -63,31 +61,25 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncIterator[str]:
         created = int(time.time())
         text_offsets = [0] * len(engine_requests)
-        completion_tokens = 0
-        try:
-            async for event in self.run_choices(engine_requests):
-                c = event.chunk
-                if c.finish_reason == "error":
-                    yield sse(self.generation_error(c.error, c.error_status).body())
-                    break
-                completion_tokens += len(c.token_ids)
-                choice = {
-                    "index": event.index,
-                    "text": c.text,
-                    "logprobs": completion_logprobs(c.logprobs, text_offsets[event.index])
-                    if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    **extra_fields(c, request.return_token_ids),
-                }
-                text_offsets[event.index] += len(c.text)
-                if c.finish_reason is not None:
-                    choice["stop_reason"] = c.stop_reason
-                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [choice]})
-            else:
-                if request.stream_options and request.stream_options.include_usage:
-                    yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": usage(sum(len(p) for p in prompts), completion_tokens)})
-        except APIError as exc:
-            yield sse(exc.body())
-        yield sse("[DONE]")
+
+        def wrap(choices: list[dict], **extra) -> dict:
+            return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices, **extra}
+
+        def format_choice(event) -> dict:
+            c = event.chunk
+            choice = {
+                "index": event.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs, text_offsets[event.index])
+                if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                **extra_fields(c, request.return_token_ids),
+            }
+            text_offsets[event.index] += len(c.text)
+            return choice
+
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        async for line in self.sse_events(engine_requests, format_choice, wrap, sum(len(p) for p in prompts),
+                                          include_usage):
+            yield line

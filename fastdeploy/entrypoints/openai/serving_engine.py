@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -15,6 +15,7 @@ from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
 from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
+from fastdeploy.entrypoints.openai.formatting import sse, usage
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import GUIDED_FIELDS, CommonRequest
 from fastdeploy.output.detokenizer import TokenTexts
@@ -87,6 +88,32 @@ class OpenAIServing:
             if choice.finish_reason == "error":
                 raise self.generation_error(choice.error, choice.error_status)
         return choices
+
+    async def sse_events(self, requests: list[EngineRequest], format_choice: Callable[[ChoiceEvent], dict],
+                         wrap: Callable[..., dict], prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body shared by chat and completions: one event per chunk, usage, [DONE].
+
+        `format_choice` renders one choice's chunk; `wrap(choices, **extra)` the envelope.
+        A failed choice ends the stream with one error event.
+        """
+        completion_tokens = 0
+        try:
+            async for event in self.run_choices(requests):
+                c = event.chunk
+                if c.finish_reason == "error":
+                    yield sse(self.generation_error(c.error, c.error_status).body())
+                    break
+                completion_tokens += len(c.token_ids)
+                choice = format_choice(event)
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield sse(wrap([choice]))
+            else:
+                if include_usage:
+                    yield sse(wrap([], usage=usage(prompt_tokens, completion_tokens)))
+        except APIError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")
 
     async def run_choices(self, requests: list[EngineRequest]) -> AsyncIterator[ChoiceEvent]:
         """Merge the deltas of all choices as they come, index = position in `requests`."""
