@@ -81,7 +81,8 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
                 try:
                     core.add_request(message.request)
                 except ParameterError as exc:
-                    deltas.append(RequestDelta(message.request.request_id, [], finish_reason="error", error=str(exc)))
+                    deltas.append(RequestDelta(message.request.request_id, [], finish_reason="error", error=str(exc),
+                                               error_status=400))
             elif isinstance(message, AbortRequests):
                 deltas.extend(core.abort(message.request_ids))
         if not process_alive(client_pid):
