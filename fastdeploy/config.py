@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastdeploy.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -32,6 +36,9 @@ class CacheConfig:
     # Total KV blocks in the pool; None sizes it from `kv_cache_memory_bytes`.
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # CUDA only: fraction of the device's memory the worker may hold in all (weights,
+    # activation peak, KV pool); the pool gets what is left. Ignored when num_blocks is set.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass
@@ -46,8 +53,9 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     seed: int = 0
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
@@ -55,5 +63,16 @@ class EngineConfig:
     guided_decoding_backend: str = "xgrammar"  # xgrammar | off
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_mb: int = 512
+    # Speculative decoding (a fastdeploy.spec_decode.config.SpeculativeConfig); None: off.
+    speculative: "SpeculativeConfig | None" = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The concrete weight/activation dtype name: `auto` is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto, float32, bfloat16 or float16")
+    return dtype

@@ -6,14 +6,16 @@ import argparse
 from dataclasses import dataclass, fields
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.spec_decode.config import parse_speculative_config
 
 
 @dataclass
 class EngineArgs:
     model: str | None = None
     load_format: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
+    enforce_eager: bool = False
     seed: int = 0
     max_num_seqs: int = 64
     max_model_len: int = 2048
@@ -21,12 +23,14 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_mb: int = 512
+    gpu_memory_utilization: float = 0.9
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
     logprobs_mode: str = "raw_logprobs"
     guided_decoding_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0
     grammar_cache_mb: int = 512
+    speculative_config: str | dict | None = None
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -34,6 +38,7 @@ class EngineArgs:
             load_format=self.load_format,
             dtype=self.dtype,
             device=self.device,
+            enforce_eager=self.enforce_eager,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             enable_keep_sampling_mask=self.enable_keep_sampling_mask,
@@ -41,10 +46,12 @@ class EngineArgs:
             guided_decoding_backend=self.guided_decoding_backend,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
             grammar_cache_mb=self.grammar_cache_mb,
+            speculative=parse_speculative_config(self.speculative_config),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024 * 1024,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -60,8 +67,11 @@ class EngineArgs:
                             help="GGUF file or Hugging Face directory; default: the embedded SmolLM2-135M-Instruct")
         parser.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default=d.load_format,
                             help="how to read weights; 'dummy' gives random weights of the model's config")
-        parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
+        parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype,
+                            help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU")
         parser.add_argument("--device", default=d.device, help="cpu or cuda")
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
         parser.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most sequences decoded together in one step")
@@ -73,7 +83,10 @@ class EngineArgs:
         parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                             help="KV cache blocks in the pool (overrides --kv-cache-memory-mb)")
         parser.add_argument("--kv-cache-memory-mb", type=int, default=d.kv_cache_memory_mb,
-                            help="memory for the KV cache pool")
+                            help="CPU: memory for the KV cache pool")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                            help="CUDA: fraction of GPU memory for weights, activations and the KV pool; "
+                                 "the pool takes what the weights and the profiled activation peak leave")
         parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                             help="largest top_logprobs / logprobs a request may ask for")
         parser.add_argument("--enable-keep-sampling-mask", "--enable_keep_sampling_mask",
@@ -92,6 +105,11 @@ class EngineArgs:
                             help="seconds a grammar may compile before its request fails")
         parser.add_argument("--grammar-cache-mb", type=int, default=d.grammar_cache_mb,
                             help="memory for compiled grammars; an identical schema compiles once")
+        parser.add_argument("--speculative-config", default=d.speculative_config,
+                            help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                 '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "mtp", '
+                                 '"num_speculative_tokens": 2}\' (MTP head: "model": DIR; default: the head shipped '
+                                 'for the embedded model)')
         return parser
 
     @classmethod

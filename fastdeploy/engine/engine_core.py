@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from fastdeploy.config import EngineConfig
@@ -16,6 +17,29 @@ from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.worker.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
 
 
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """Running totals of speculative decoding, for /metrics and benchmarks."""
+
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verified_sequences: int = 0
+
+    def add(self, events: WorkerEvents) -> None:
+        self.num_draft_tokens += events.num_draft_tokens
+        self.num_accepted_draft_tokens += events.num_accepted_draft_tokens
+        self.num_verified_sequences += events.num_verified_sequences
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per sequence per verifying step: accepted drafts + the one sampled token."""
+        return 1.0 + self.num_accepted_draft_tokens / max(1, self.num_verified_sequences)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
@@ -23,7 +47,10 @@ class EngineCore:
         info = executor.info
         self.max_model_len = min(config.scheduler.max_model_len, info.max_position_embeddings)
         self.block_manager = BlockManager(info.num_blocks, info.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        spec = config.speculative
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
+                                   self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0)
+        self.spec_stats = SpecDecodeStats()
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
@@ -99,7 +126,7 @@ class EngineCore:
                 new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params, seq.return_sampling_mask))
             end = chunk.start + chunk.num_tokens
             chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
-                                     list(seq.block_ids), chunk.samples))
+                                     list(seq.block_ids), chunk.samples, chunk.num_lookahead))
         if not chunks and not self._grammar_requests and not self.waiting_for_grammar:
             return []
         step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests)
@@ -109,9 +136,14 @@ class EngineCore:
         self.scheduler.on_step_done(plan)
         deltas = self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
+        self.spec_stats.add(events)
         for seq, delta in self.token_processor.process(frame, self.sequences, terminated):
             if delta.finish_reason is not None:
                 self._release(seq)
+            elif len(delta.token_ids) > 1:
+                # Accepted drafts already have their K/V in the cache (written while verifying);
+                # only the last accepted token is new.
+                seq.num_computed_tokens += len(delta.token_ids) - 1
             deltas.append(delta)
         return deltas
 

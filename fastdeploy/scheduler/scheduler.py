@@ -17,6 +17,8 @@ class ScheduledChunk:
     num_tokens: int
     # A token is sampled once the chunk reaches the end of the known tokens.
     samples: bool
+    # Speculative decoding: KV slots reserved after the chunk for up to this many draft tokens.
+    num_lookahead: int = 0
 
 
 def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
@@ -31,9 +33,10 @@ class SchedulerStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots  # draft tokens per decode step (speculative decoding)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -90,7 +93,12 @@ class Scheduler:
                 continue
             self.block_manager.grow(seq.block_ids, target)
             chunk = _chunk(seq, num)
-            (decodes if num == 1 and chunk.samples else prefills).append(chunk)
+            if num == 1 and chunk.samples:
+                chunk.num_lookahead = self._reserve_lookahead(seq, target, budget - num)
+                budget -= chunk.num_lookahead
+                decodes.append(chunk)
+            else:
+                prefills.append(chunk)
             scheduled_ids.add(seq.seq_id)
             budget -= num
 
@@ -115,6 +123,21 @@ class Scheduler:
             budget -= num
 
         return SchedulerStep(chunks=decodes + prefills, preempted=preempted)
+
+    def _reserve_lookahead(self, seq: Sequence, target: int, budget: int) -> int:
+        """Draft slots for a decode: never past max_tokens or the context length, and only
+        from free blocks and budget; drafts are an optimisation, never a reason to preempt."""
+        if not self.num_lookahead_slots:
+            return 0
+        # m accepted tokens (drafts + 1) must fit: num_tokens + m <= limit.
+        room = self.config.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        lookahead = max(0, min(self.num_lookahead_slots, room, budget))
+        while lookahead and not self.block_manager.can_grow(seq.block_ids, target + lookahead):
+            lookahead -= 1
+        self.block_manager.grow(seq.block_ids, target + lookahead)
+        return lookahead
 
     def on_step_done(self, step: SchedulerStep) -> None:
         for chunk in step.chunks:

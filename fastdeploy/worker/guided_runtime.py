@@ -84,14 +84,25 @@ class GuidedRuntime:
         """int32 [B, ceil(V/32)] for the rows sampled this step; None when none is constrained."""
         return fill_bitmasks([self.states.get(s) for s in seq_ids], self.vocab_size)
 
-    def accept(self, seq_ids: list[int], tokens: list[int], events: WorkerEvents) -> None:
-        for seq_id, token in zip(seq_ids, tokens):
+    def accept(self, seq_ids: list[int], runs: list[list[int]], events: WorkerEvents) -> list[int]:
+        """Advance each sequence's matcher by its accepted tokens (one, or several with speculative
+        decoding); returns how many of each run stand: a run ends at the token that completes its
+        grammar, or before a token the grammar rejects."""
+        counts = []
+        for seq_id, run in zip(seq_ids, runs):
             state = self.states.get(seq_id)
-            if state is None:
-                continue
-            if not state.accept(token):
-                # A sampled token outside the bitmask is a bug; it fails this request only.
-                logger.error("grammar rejected token %d of sequence %d", token, seq_id)
-                events.seq_errors.append([seq_id, f"internal error: the grammar rejected sampled token {token}"])
-            elif state.is_terminated:
-                events.grammar_terminated.append(seq_id)
+            n = len(run)
+            if state is not None:
+                for n, token in enumerate(run, start=1):
+                    if not state.accept(token):
+                        # A sampled token outside the bitmask is a bug; it fails this request only.
+                        logger.error("grammar rejected token %d of sequence %d", token, seq_id)
+                        events.seq_errors.append(
+                            [seq_id, f"internal error: the grammar rejected sampled token {token}"])
+                        n -= 1
+                        break
+                    if state.is_terminated:
+                        events.grammar_terminated.append(seq_id)
+                        break
+            counts.append(n)
+        return counts

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from dataclasses import dataclass, field
+
+import msgspec
 
 import numpy as np
 import torch
 
-from fastdeploy.config import EngineConfig, ModelConfig
+from fastdeploy.config import EngineConfig, ModelConfig, resolve_dtype
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
@@ -16,6 +20,9 @@ from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, S
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
+from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
+from fastdeploy.spec_decode.ngram_proposer import NgramProposer
+from fastdeploy.spec_decode.verification import accepted_counts
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
 
@@ -50,7 +57,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = _DTYPES[resolve_dtype(config.dtype, config.device)]
         torch.manual_seed(config.seed)
         self.model, self.model_config = get_model(
             config.model, config.load_format, dtype=self.dtype, device=config.device, seed=config.seed
@@ -63,6 +70,9 @@ class ModelRunner:
         )
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.sampler = Sampler()
+        spec = config.speculative
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
+            if spec is not None and spec.method == "ngram" else None
         self.sequences: dict[int, WorkerSequence] = {}
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend == "xgrammar":
@@ -101,43 +111,82 @@ class ModelRunner:
         elif step.grammar_requests:
             events.grammar_failed.extend([r.seq_id, "structured output is disabled on this server"]
                                          for r in step.grammar_requests)
-        sampled_chunks = [c for c in step.chunks if c.sample]
-        if not sampled_chunks and not step.chunks:
+        if not step.chunks:
             return pack_step_frame(_empty_frame(step.message_id)), events
 
+        drafts = self._propose_drafts(step.chunks)
+        if drafts and self.guided is not None:
+            trim_drafts_to_grammar(self.guided.states, drafts)
+            drafts = {seq_id: d for seq_id, d in drafts.items() if d}
+        # Plain decodes first: the attention batches that prefix as one decode group; a
+        # drafted decode attends like a short prefill chunk.
+        chunks = sorted(step.chunks, key=lambda c: not (c.sample and len(c.token_ids) == 1 and c.seq_id not in drafts))
+        chunks = [_with_draft(c, drafts[c.seq_id]) if c.seq_id in drafts else c for c in chunks]
+        sampled_chunks = [c for c in chunks if c.sample]
         seq_ids = [c.seq_id for c in sampled_chunks]
-        # The bitmask depends only on tokens accepted so far: fill it before the forward
-        # pass, so on a GPU the CPU work overlaps the model.
-        bitmask = self.guided.bitmask(seq_ids) if self.guided is not None and seq_ids else None
-        input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(step.chunks)
+        slot_drafts = [drafts.get(seq_id, []) for seq_id in seq_ids]
+        # The bitmask depends only on tokens accepted so far and the drafts: fill it before
+        # the forward pass, so on a GPU the CPU work overlaps the model.
+        bitmask = None
+        if self.guided is not None and seq_ids:
+            if drafts:
+                bitmask = fill_draft_bitmasks([self.guided.states.get(s) for s in seq_ids], slot_drafts,
+                                              self.model_config.vocab_size)
+            else:
+                bitmask = self.guided.bitmask(seq_ids)
+        input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(chunks, drafts)
         hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
         if not sampled_chunks:
             return pack_step_frame(_empty_frame(step.message_id)), events
-        last_token_index = torch.tensor([row for _, row in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[last_token_index]).float()
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float()
         states = [self.sequences[seq_id] for seq_id in seq_ids]
-        metadata = self._sampling_metadata(states)
+        metadata = self._sampling_metadata(_slot_states(states, slot_drafts) if drafts else states)
         metadata.token_bitmask = bitmask
         output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids.tolist()
-        for state, token in zip(states, sampled):
-            state.output_token_ids.append(token)
+        counts = accepted_counts(sampled, slot_drafts)
+        slot_starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))
+        runs = [sampled[start:start + n] for start, n in zip(slot_starts, counts)]
         if self.guided is not None:
-            self.guided.accept(seq_ids, sampled, events)
-        return pack_step_frame(_frame_from_output(step.message_id, sampled_chunks, output)), events
+            # A grammar that completes inside a run ends it there.
+            counts = self.guided.accept(seq_ids, runs, events)
+            runs = [run[:n] for run, n in zip(runs, counts)]
+        for state, run in zip(states, runs):
+            state.output_token_ids.extend(run)
+        if drafts:
+            events.num_verified_sequences = len(drafts)
+            events.num_draft_tokens = sum(len(d) for d in slot_drafts)
+            events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, slot_drafts) if d)
+        accepted_rows = [start + j for start, n in zip(slot_starts, counts) for j in range(n)]
+        frame = _frame_from_output(step.message_id, seq_ids, counts, accepted_rows, output)
+        return pack_step_frame(frame), events
+
+    def _propose_drafts(self, chunks: list[ChunkInput]) -> dict[int, list[int]]:
+        """Draft tokens per decoding sequence that has lookahead slots reserved (non-empty only)."""
+        if self.proposer is None:
+            return {}
+        drafts = {}
+        for chunk in chunks:
+            if chunk.num_lookahead > 0:
+                state = self.sequences[chunk.seq_id]
+                context = np.array(state.prompt_token_ids + state.output_token_ids, dtype=np.int64)
+                draft = self.proposer.propose(context, chunk.num_lookahead)
+                if draft:
+                    drafts[chunk.seq_id] = draft
+        return drafts
 
     def _prepare_inputs(
-        self, chunks: list[ChunkInput]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+        self, chunks: list[ChunkInput], drafts: dict[int, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
-        sample_rows: list[tuple[int, int]] = []  # (chunk index, flat index of its last token)
+        sample_rows: list[int] = []  # flat token index of every sampled slot
         bs = self.block_size
-        for i, chunk in enumerate(chunks):
+        for chunk in chunks:
             start = len(token_ids)
             n = len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
@@ -154,7 +203,9 @@ class ModelRunner:
                                      device=self.device)
                 prefills.append(PrefillSeq(start, n, context_len, table))
             if chunk.sample:
-                sample_rows.append((i, start + n - 1))
+                # A drafted chunk samples at its last real token and at every draft.
+                num_slots = len(drafts.get(chunk.seq_id, ())) + 1
+                sample_rows.extend(range(start + n - num_slots, start + n))
         width = max((len(t) for t in decode_tables), default=0)
         decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
                                            device=self.device).reshape(len(decode_tables), width)
@@ -225,20 +276,49 @@ def _empty_frame(message_id: int) -> StepFrame:
     return StepFrame(message_id, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64))
 
 
-def _frame_from_output(message_id: int, chunks: list[ChunkInput], out: SamplerOutput) -> StepFrame:
-    """One accepted token per sampled sequence (speculative steps accept more)."""
+def _with_draft(chunk: ChunkInput, draft: list[int]) -> ChunkInput:
+    """The chunk extended by its draft tokens (their K/V goes into the reserved lookahead slots)."""
+    return msgspec.structs.replace(chunk, token_ids=chunk.token_ids + draft)
+
+
+def _slot_states(states: list[WorkerSequence], drafts: list[list[int]]) -> list[WorkerSequence]:
+    """One sampler row per verified slot: slot i sees the sequence's output plus its first i drafts,
+    so penalties treat a draft exactly as if it had already been generated."""
+    rows = []
+    for state, draft in zip(states, drafts):
+        rows.append(state)
+        for i in range(1, len(draft) + 1):
+            rows.append(dataclasses.replace(state, output_token_ids=state.output_token_ids + draft[:i]))
+    return rows
+
+
+def _frame_from_output(message_id: int, seq_ids: list[int], counts: list[int], rows: list[int],
+                       out: SamplerOutput) -> StepFrame:
+    """The accepted slots (`rows` of the sampler output, sequence after sequence) as a frame."""
+    index = torch.tensor(rows, dtype=torch.long, device=out.sampled_token_ids.device)
     frame = StepFrame(
         message_id=message_id,
-        seq_ids=np.array([c.seq_id for c in chunks], dtype=np.int64),
-        num_tokens=np.ones(len(chunks), dtype=np.int32),
-        token_ids=out.sampled_token_ids.cpu().numpy(),
+        seq_ids=np.array(seq_ids, dtype=np.int64),
+        num_tokens=np.array(counts, dtype=np.int32),
+        token_ids=out.sampled_token_ids[index].cpu().numpy(),
     )
     if out.logprobs is not None:
-        frame.lp_ids = out.logprob_token_ids.cpu().numpy()
-        frame.lp_values = out.logprobs.cpu().numpy()
-        frame.ranks = out.sampled_token_ranks.cpu().numpy()
+        frame.lp_ids = out.logprob_token_ids[index].cpu().numpy()
+        frame.lp_values = out.logprobs[index].cpu().numpy()
+        frame.ranks = out.sampled_token_ranks[index].cpu().numpy()
     if out.mask_offsets is not None:
-        frame.mask_offsets = out.mask_offsets.cpu().numpy()
-        frame.mask_ids = out.mask_ids.cpu().numpy()
-        frame.logz = out.logz.cpu().numpy()
+        offsets = out.mask_offsets.cpu().numpy()
+        starts, ends = offsets[rows], offsets[np.array(rows, dtype=np.int64) + 1]
+        frame.mask_offsets, gather = csr_rows(starts, ends)
+        frame.mask_ids = out.mask_ids.cpu().numpy()[gather]
+        frame.logz = out.logz[index].cpu().numpy()
     return frame
+
+
+def csr_rows(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """New int32 offsets for CSR rows [starts, ends), and the flat indices that gather their entries."""
+    lengths = (ends - starts).astype(np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    gather = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
+    return offsets.astype(np.int32), gather

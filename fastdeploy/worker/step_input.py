@@ -23,6 +23,7 @@ class ChunkInput(msgspec.Struct, array_like=True):
     start: int  # position of token_ids[0]
     block_ids: list[int]  # the sequence's whole block table
     sample: bool  # whether this chunk ends at the sequence's last known token
+    num_lookahead: int = 0  # speculative decoding: KV slots reserved for up to this many drafts
 
 
 class GrammarRequest(msgspec.Struct, array_like=True):
@@ -47,6 +48,10 @@ class WorkerEvents(msgspec.Struct, array_like=True):
     grammar_failed: list[list] = []  # [seq_id, message]
     grammar_terminated: list[int] = []  # the grammar is complete: finish with "stop"
     seq_errors: list[list] = []  # [seq_id, message]: fail that sequence only
+    # Speculative decoding this step: draft tokens verified, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verified_sequences: int = 0  # sequences that verified at least one draft
 
     def __bool__(self) -> bool:
         return bool(self.grammar_ready or self.grammar_failed or self.grammar_terminated or self.seq_errors)

@@ -1,0 +1,48 @@
+"""Grammar checks of speculative drafts: cut drafts the grammar rejects, mask every verified slot."""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+from fastdeploy.model_executor.guided_decoding.matcher import GuidedState
+
+
+def trim_drafts_to_grammar(states: dict[int, GuidedState], drafts: dict[int, list[int]]) -> None:
+    """Cut each constrained sequence's draft at its first token the grammar rejects (in place).
+
+    A rejected draft token could never be accepted (its slot's bitmask forbids it), so
+    verifying it and anything after it would be wasted compute.
+    """
+    for seq_id, draft in drafts.items():
+        state = states.get(seq_id)
+        if state is None or not draft:
+            continue
+        valid = 0 if state.is_terminated else state.accept_tokens(draft)
+        state.rollback(valid)
+        del draft[valid:]
+
+
+def fill_draft_bitmasks(states: list[GuidedState | None], drafts: list[list[int]], vocab_size: int) -> torch.Tensor | None:
+    """int32 [R, ceil(V/32)] with one row per verified slot (1 + len(draft) per sequence).
+
+    Slot i of a sequence is masked by the grammar state after its first i drafts: the
+    matcher accepts the drafts one by one while filling, then rolls them all back, so it
+    ends where it started. Drafts must already be grammar-valid (trim_drafts_to_grammar).
+    """
+    if all(s is None for s in states):
+        return None
+    bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
+    row = 0
+    for state, draft in zip(states, drafts):
+        if state is None:
+            row += len(draft) + 1
+            continue
+        for token in draft:
+            state.fill_bitmask(bitmask, row)
+            state.accept(token)
+            row += 1
+        state.fill_bitmask(bitmask, row)
+        row += 1
+        state.rollback(len(draft))
+    return bitmask
