@@ -1,4 +1,29 @@
+import os
+
 from setuptools import find_packages, setup
+
+
+def ext_modules() -> tuple[list, dict]:
+    """The packed step output ops; the CUDA one only where CUDA is there at build time.
+
+    Without torch in the build environment (an isolated build) nothing is compiled:
+    fastdeploy.ops then builds the ops just in time on first use.
+    """
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        return [], {}
+    include = [os.path.abspath("custom_ops")]
+    modules = [CppExtension("fastdeploy.ops._step_packer_cpu", ["custom_ops/step_packer.cpp"],
+                            include_dirs=include, extra_compile_args=["-O3"])]
+    if torch.version.cuda is not None and CUDA_HOME is not None and torch.cuda.is_available():
+        modules.append(CUDAExtension("fastdeploy.ops._step_packer_cuda", ["custom_ops/step_packer_cuda.cu"],
+                                     include_dirs=include, extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}))
+    return modules, {"build_ext": BuildExtension}
+
+
+modules, cmdclass = ext_modules()
 
 setup(
     name="fastdeploy",
@@ -9,4 +34,6 @@ setup(
     package_data={"fastdeploy.model_executor.models": ["configs/*.json"]},
     python_requires=">=3.10",
     entry_points={"console_scripts": ["fastdeploy=fastdeploy.entrypoints.cli:main"]},
+    ext_modules=modules,
+    cmdclass=cmdclass,
 )
