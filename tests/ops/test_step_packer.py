@@ -1,0 +1,181 @@
+"""The packed step output ops against the Python reference, byte for byte.
+
+`pack_step_slots_reference` (numpy) defines the frame; the C++ op and the CUDA op
+(`gpu` tests, both the mapped-memory default and the staged variant) must produce
+the same bytes, and the unpacker op the same arrays as `unpack_step_frame`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fastdeploy.ops.step_packer import pack_step_slots, pack_step_slots_staged, pack_step_slots_tensor, unpack_step_frame_op
+from fastdeploy.output.step_frame import StepFrame, split_by_sequence, unpack_step_frame
+from fastdeploy.output.step_slots import StepSlots, gather_step_slots, pack_step_slots_reference
+
+VOCAB = 49152
+FIELDS = ("seq_ids", "num_tokens", "token_ids", "lp_ids", "lp_values", "ranks", "mask_offsets", "mask_ids", "logz")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_slots(seed: int, batch: int, slots: int, k: int, top_k: int | None, mask: bool,
+               max_mask_row: int = 40) -> StepSlots:
+    """Random slot contents; every slot (accepted or not) holds distinct-looking data."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, slots + 1, size=batch).astype(np.int32)
+    counts[rng.random(batch) < 0.2] = 0  # sequences with nothing accepted
+    rows = batch * slots
+    result = StepSlots(
+        message_id=int(rng.integers(0, 1 << 40)),
+        seq_ids=torch.from_numpy(rng.choice(1 << 40, size=batch, replace=False).astype(np.int64)),
+        accept_counts=torch.from_numpy(counts),
+        token_ids=torch.from_numpy(rng.integers(0, VOCAB, size=(batch, slots)).astype(np.int64)),
+        num_logprobs=k,
+    )
+    if top_k is not None:
+        result.lp_ids = torch.from_numpy(rng.integers(0, VOCAB, size=(batch, slots, top_k + 1)).astype(np.int64))
+        result.lp_values = torch.from_numpy(-rng.exponential(3.0, size=(batch, slots, top_k + 1)).astype(np.float32))
+        result.ranks = torch.from_numpy(rng.integers(1, VOCAB, size=(batch, slots)).astype(np.int64))
+    if mask:
+        sizes = rng.integers(1, max_mask_row + 1, size=rows)
+        sizes[rng.random(rows) < 0.3] = 0  # null rows (the whole vocabulary)
+        result.mask_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+        result.mask_ids = torch.from_numpy(rng.integers(0, VOCAB, size=int(sizes.sum())).astype(np.int32))
+        result.logz = torch.from_numpy(-rng.random((batch, slots)).astype(np.float32))
+    return result
+
+
+def to_device(slots: StepSlots, device: str) -> StepSlots:
+    moved = {f.name: getattr(slots, f.name) for f in dataclasses.fields(slots)}
+    return StepSlots(**{name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in moved.items()})
+
+
+def assert_frames_equal(got: StepFrame, want: StepFrame) -> None:
+    assert got.message_id == want.message_id
+    for name in FIELDS:
+        x, y = getattr(got, name), getattr(want, name)
+        assert (x is None) == (y is None), name
+        if y is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+# (k, K): no logprobs; k = 0 with K = 0 and K > k; k = 20 with K = 20 and K > k.
+LOGPROB_CASES = [(-1, None), (0, 0), (0, 5), (20, 20), (20, 32)]
+CASES = [
+    pytest.param(batch, slots, k, top_k, mask, id=f"B{batch}-S{slots}-k{k}-K{top_k}-{'mask' if mask else 'nomask'}")
+    for batch in (1, 256) for slots in (1, 5) for k, top_k in LOGPROB_CASES for mask in (False, True)
+]
+
+
+@pytest.mark.parametrize("batch, slots, k, top_k, mask", CASES)
+def test_cpu_op_matches_reference(batch, slots, k, top_k, mask):
+    seed = batch * 1000 + slots * 100 + k + 3 * (top_k or 0) + mask
+    step = make_slots(seed, batch, slots, k, top_k, mask)
+    want = pack_step_slots_reference(step)
+    got = pack_step_slots(step)
+    assert got == want
+    assert_frames_equal(unpack_step_frame_op(got), unpack_step_frame(want))
+    # Round trip: what comes out is exactly the accepted slots, in sequence order.
+    assert_frames_equal(unpack_step_frame_op(got), gather_step_slots(step))
+    assert split_by_sequence(unpack_step_frame_op(got)) == split_by_sequence(unpack_step_frame(want))
+
+
+def test_gathered_rows_are_the_accepted_slots():
+    step = make_slots(7, batch=3, slots=5, k=2, top_k=4, mask=True)
+    step.accept_counts = torch.tensor([2, 0, 5], dtype=torch.int32)
+    frame = unpack_step_frame_op(pack_step_slots(step))
+    rows = [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
+    assert frame.num_tokens.tolist() == [2, 0, 5]
+    assert frame.token_ids.tolist() == [int(step.token_ids[b, s]) for b, s in rows]
+    assert frame.lp_ids.tolist() == [step.lp_ids[b, s, :3].tolist() for b, s in rows]
+    offsets = step.mask_offsets.tolist()
+    masks = [step.mask_ids[offsets[b * 5 + s]:offsets[b * 5 + s + 1]].tolist() for b, s in rows]
+    parts = split_by_sequence(frame)
+    assert [p.seq_id for p in parts] == step.seq_ids.tolist()
+    assert parts[1].token_ids == [] and parts[1].sampling_mask == []
+    got_masks = parts[0].sampling_mask + parts[2].sampling_mask
+    assert got_masks == [m or None for m in masks]
+
+
+def test_nothing_accepted_and_empty_batch():
+    for batch in (0, 4):
+        step = make_slots(11, batch, slots=5, k=3, top_k=3, mask=True)
+        step.accept_counts = torch.zeros(batch, dtype=torch.int32)
+        assert pack_step_slots(step) == pack_step_slots_reference(step)
+        frame = unpack_step_frame_op(pack_step_slots(step))
+        assert frame.token_ids.size == 0 and frame.mask_offsets.tolist() == [0]
+
+
+def test_non_contiguous_inputs():
+    step = make_slots(13, batch=8, slots=5, k=4, top_k=6, mask=True)
+    step.token_ids = step.token_ids.t().contiguous().t()  # same values, column-major
+    step.lp_values = step.lp_values.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not step.token_ids.is_contiguous()
+    assert pack_step_slots(step) == pack_step_slots_reference(step)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: setattr(s, "accept_counts", torch.full_like(s.accept_counts, 6)), "accept_counts"),
+    (lambda s: setattr(s, "num_logprobs", 7), "fewer than k"),
+    (lambda s: setattr(s, "token_ids", s.token_ids.int()), "token_ids must be"),
+    (lambda s: setattr(s, "mask_offsets", s.mask_offsets + 1000), "CSR"),
+])
+def test_invalid_slots_are_rejected(change, message):
+    step = make_slots(17, batch=4, slots=5, k=3, top_k=6, mask=True)
+    change(step)
+    with pytest.raises(ValueError, match=message):
+        pack_step_slots(step)
+
+
+def test_truncated_frame_is_rejected():
+    buf = pack_step_slots(make_slots(19, batch=4, slots=5, k=3, top_k=3, mask=True))
+    with pytest.raises(ValueError, match="truncated"):
+        unpack_step_frame_op(buf[: len(buf) - 16])
+    with pytest.raises(ValueError, match="truncated"):
+        unpack_step_frame_op(buf[:40])
+
+
+def test_unpacked_arrays_are_views_of_the_frame():
+    buf = pack_step_slots_tensor(make_slots(23, batch=4, slots=5, k=2, top_k=2, mask=False))
+    frame = unpack_step_frame_op(buf)
+    assert np.shares_memory(frame.token_ids, buf.numpy())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch, slots, k, top_k, mask", CASES)
+def test_cuda_ops_match_reference(batch, slots, k, top_k, mask):
+    seed = batch * 1000 + slots * 100 + k + 3 * (top_k or 0) + mask
+    step = make_slots(seed, batch, slots, k, top_k, mask)
+    want = pack_step_slots_reference(step)
+    on_gpu = to_device(step, "cuda")
+    mapped = pack_step_slots_tensor(on_gpu)
+    assert mapped.is_pinned()
+    assert mapped.numpy().tobytes() == want
+    assert pack_step_slots_staged(on_gpu).numpy().tobytes() == want
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_op_writes_every_byte_of_a_reused_buffer():
+    # The pinned pool hands a freed block out again: poison it, then pack the same
+    # shapes into it; every returned byte, padding included, must be written anew.
+    step = make_slots(31, batch=3, slots=5, k=1, top_k=2, mask=True)
+    want = pack_step_slots_reference(step)
+    for _ in range(3):
+        frame = pack_step_slots_tensor(to_device(step, "cuda"))
+        torch.empty(0, dtype=torch.uint8).set_(frame.untyped_storage()).fill_(0xAB)
+        del frame
+        assert pack_step_slots(to_device(step, "cuda")) == want
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_many_ids_per_row():
+    step = make_slots(37, batch=64, slots=5, k=5, top_k=8, mask=True, max_mask_row=5000)
+    assert pack_step_slots(to_device(step, "cuda")) == pack_step_slots_reference(step)
