@@ -28,6 +28,7 @@ from fastdeploy.engine.request import (
     RequestDelta,
 )
 from fastdeploy.ipc import endpoint, make_ipc_dir, socket
+from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class AsyncEngineClient:
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
+        self.spec_decode: SpecDecodeStats | None = None
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
@@ -90,6 +92,7 @@ class AsyncEngineClient:
                 if isinstance(message, EngineOutputs):
                     self.num_running, self.num_waiting = message.num_running, message.num_waiting
                     self.kv_usage = message.kv_usage
+                    self.spec_decode = message.spec_decode
                     for delta in message.deltas:
                         queue = self._queues.get(delta.request_id)
                         if queue is not None:

@@ -14,30 +14,8 @@ from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
+from fastdeploy.spec_decode.stats import SpecDecodeStats
 from fastdeploy.worker.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
-
-
-@dataclasses.dataclass
-class SpecDecodeStats:
-    """Running totals of speculative decoding, for /metrics and benchmarks."""
-
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    num_verified_sequences: int = 0
-
-    def add(self, events: WorkerEvents) -> None:
-        self.num_draft_tokens += events.num_draft_tokens
-        self.num_accepted_draft_tokens += events.num_accepted_draft_tokens
-        self.num_verified_sequences += events.num_verified_sequences
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / max(1, self.num_draft_tokens)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per sequence per verifying step: accepted drafts + the one sampled token."""
-        return 1.0 + self.num_accepted_draft_tokens / max(1, self.num_verified_sequences)
 
 
 class EngineCore:

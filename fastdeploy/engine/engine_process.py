@@ -99,7 +99,8 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
                 dead_message = str(exc)
         now = time.monotonic()
         if deltas or now - last_sent > GAUGE_INTERVAL_S:
-            outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, core.block_manager.usage)
+            outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, core.block_manager.usage,
+                                    core.spec_stats if core.config.speculative is not None else None)
             out_sock.send(encoder.encode(outputs))
             last_sent = now
         if dead_message is not None:

@@ -6,6 +6,7 @@ import msgspec
 
 from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 
 class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -59,6 +60,7 @@ class EngineOutputs(msgspec.Struct, array_like=True, tag=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    spec_decode: SpecDecodeStats | None = None  # totals since start; None without speculative decoding
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from fastdeploy.engine.request import RequestDelta
@@ -106,9 +107,20 @@ class RequestOutputState:
     def update(self, delta: RequestDelta) -> OutputChunk:
         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
         search_from = len(self.decoded)
-        self.decoded += self.detokenizer.add(delta.token_ids)
+        hit = None
+        if self.params.stop:
+            # Token by token: a stop string inside a multi-token (speculative) delta also
+            # drops the tokens after the one that completed it.
+            for n, token in enumerate(delta.token_ids, start=1):
+                self.decoded += self.detokenizer.add([token])
+                hit = self._find_stop(search_from)
+                if hit is not None:
+                    if n < len(delta.token_ids):
+                        delta = _first_tokens(delta, n)
+                    break
+        else:
+            self.decoded += self.detokenizer.add(delta.token_ids)
         end = len(self.decoded)
-        hit = self._find_stop(search_from) if self.params.stop else None
         if hit is not None:
             index, stop = hit
             end = index + len(stop) if self.params.include_stop_str_in_output else index
@@ -131,3 +143,14 @@ class RequestOutputState:
             error_status=delta.error_status,
             num_prompt_tokens=delta.num_prompt_tokens,
         )
+
+
+def _first_tokens(delta: RequestDelta, n: int) -> RequestDelta:
+    """The delta cut to its first n tokens (every per-token list alike)."""
+    def cut(values: list | None) -> list | None:
+        return None if values is None else values[:n]
+
+    return msgspec.structs.replace(
+        delta, token_ids=delta.token_ids[:n], logprobs=cut(delta.logprobs),
+        logprob_token_ids=cut(delta.logprob_token_ids), ranks=cut(delta.ranks),
+        sampling_mask=cut(delta.sampling_mask), logz=cut(delta.logz))

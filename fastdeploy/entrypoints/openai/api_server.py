@@ -107,6 +107,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         metrics.running.set(client.num_running)
         metrics.waiting.set(client.num_waiting)
         metrics.kv_usage.set(client.kv_usage)
+        metrics.update_spec_decode(client.spec_decode)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

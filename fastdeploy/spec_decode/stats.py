@@ -1,0 +1,27 @@
+"""Running totals of speculative decoding, kept by the engine and shown in /metrics."""
+
+from __future__ import annotations
+
+import msgspec
+
+from fastdeploy.worker.step_input import WorkerEvents
+
+
+class SpecDecodeStats(msgspec.Struct, array_like=True):
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_draft_tokens: int = 0  # drafts accepted
+    num_verified_sequences: int = 0  # sequence-steps that verified at least one draft
+
+    def add(self, events: WorkerEvents) -> None:
+        self.num_draft_tokens += events.num_draft_tokens
+        self.num_accepted_draft_tokens += events.num_accepted_draft_tokens
+        self.num_verified_sequences += events.num_verified_sequences
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per sequence per verifying step: accepted drafts + the one sampled token."""
+        return 1.0 + self.num_accepted_draft_tokens / max(1, self.num_verified_sequences)
