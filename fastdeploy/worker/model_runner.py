@@ -14,7 +14,7 @@ import torch
 
 from fastdeploy.config import EngineConfig, ModelConfig, resolve_dtype
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.model_executor.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
+from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, SamplerOutput
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
@@ -23,7 +23,10 @@ from fastdeploy.output.step_frame import StepFrame, pack_step_frame
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.spec_decode.verification import accepted_counts
+from fastdeploy.worker.cuda_graph import CudaGraphRunner
+from fastdeploy.worker.device_inputs import upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
+from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
 from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
 
 logger = logging.getLogger(__name__)
@@ -63,12 +66,20 @@ class ModelRunner:
             config.model, config.load_format, dtype=self.dtype, device=config.device, seed=config.seed
         )
         self.block_size = config.cache.block_size
-        self.num_blocks = config.cache.num_blocks or max(
-            1,
-            config.cache.kv_cache_memory_bytes
-            // kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype),
+        self.num_blocks = config.cache.num_blocks or num_kv_blocks(
+            self.model, self.model_config, config, self.dtype, self.device
         )
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        # One spare block past the engine's pool: padded rows of a captured decode batch write there.
+        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks + 1, self.block_size, self.dtype,
+                                            self.device)
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.cuda_graphs = CudaGraphRunner(
+                self.model, self.kv_caches, config.scheduler.max_num_seqs,
+                -(-config.scheduler.max_model_len // self.block_size), self.block_size,
+                pad_slot=self.num_blocks * self.block_size,
+            )  # fmt: skip
+            self.cuda_graphs.capture()
         self.sampler = Sampler()
         spec = config.speculative
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
@@ -135,7 +146,10 @@ class ModelRunner:
             else:
                 bitmask = self.guided.bitmask(seq_ids)
         input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(chunks, drafts)
-        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
+        else:
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
         if not sampled_chunks:
             return pack_step_frame(_empty_frame(step.message_id)), events
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float()
@@ -199,30 +213,28 @@ class ModelRunner:
                 decode_tables.append(chunk.block_ids)
                 decode_lens.append(context_len)
             else:
-                table = torch.tensor(chunk.block_ids[: (context_len + bs - 1) // bs], dtype=torch.long,
-                                     device=self.device)
+                table = torch.tensor(chunk.block_ids[: (context_len + bs - 1) // bs], dtype=torch.long)
                 prefills.append(PrefillSeq(start, n, context_len, table))
             if chunk.sample:
                 # A drafted chunk samples at its last real token and at every draft.
                 num_slots = len(drafts.get(chunk.seq_id, ())) + 1
                 sample_rows.extend(range(start + n - num_slots, start + n))
         width = max((len(t) for t in decode_tables), default=0)
-        decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
-                                           device=self.device).reshape(len(decode_tables), width)
+        tables = np.zeros((len(decode_tables), width), dtype=np.int64)
+        for row, table in enumerate(decode_tables):
+            tables[row, : len(table)] = table
+        ids_d, positions_d, slots_d, lens_d, tables_d = upload_int64(
+            [token_ids, positions, slots, decode_lens, tables], self.device
+        )
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=slots_d,
             num_decode_tokens=len(decode_tables),
-            decode_block_tables=decode_block_tables,
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            decode_block_tables=tables_d.view(len(decode_tables), width),
+            decode_context_lens=lens_d,
             prefills=prefills,
             block_size=bs,
         )
-        return (
-            torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            metadata,
-            sample_rows,
-        )
+        return ids_d, positions_d, metadata, sample_rows
 
     def _sampling_metadata(self, states: list[WorkerSequence]) -> SamplingMetadata:
         dev = self.device

@@ -57,6 +57,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if q.is_cuda:
+            return self._forward_triton(q, k, v, k_cache, v_cache, meta)
         # Scatter the new K/V first so every query below can read its own token from the cache.
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
@@ -68,6 +70,37 @@ class Attention(nn.Module):
         for p in meta.prefills:
             sl = slice(p.query_start, p.query_start + p.query_len)
             out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p.context_len, p.block_table)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _forward_triton(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """CUDA: Triton paged kernels; no host sync, so decode steps can be captured in a CUDA graph."""
+        from fastdeploy.model_executor.layers import triton_attention  # triton is optional on CPU hosts
+
+        # index_copy_ rather than index_put_: a plain scatter with no sort or sync, graph-capturable.
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        q = q.to(k_cache.dtype)
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_tokens
+        if num_decode > 0:
+            triton_attention.paged_decode_attention(
+                q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, out[:num_decode],
+            )  # fmt: skip
+        if meta.prefills:
+            if meta.gpu_prefill_tiles is None:  # the first layer builds them; the others reuse them
+                meta.gpu_prefill_tiles = triton_attention.PrefillTiles.build(
+                    meta.prefills, self.num_heads // self.num_kv_heads, meta.block_size, q.device
+                )
+            triton_attention.paged_prefill_attention(q, k_cache, v_cache, meta.gpu_prefill_tiles, self.scale, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(

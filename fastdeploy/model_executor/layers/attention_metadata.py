@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.layers.triton_attention import PrefillTiles
 
 
 @dataclass
@@ -18,7 +22,7 @@ class PrefillSeq:
     query_start: int
     query_len: int
     context_len: int  # tokens in the KV cache after this step, chunk included
-    block_table: torch.Tensor  # int64 [ceil(context_len / block_size)]
+    block_table: torch.Tensor  # int64 [ceil(context_len / block_size)], on the host
 
 
 @dataclass
@@ -35,3 +39,5 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # int64 [D], new token included
     prefills: list[PrefillSeq]
     block_size: int
+    # CUDA: the prefills as kernel inputs, built by the first attention layer of the step.
+    gpu_prefill_tiles: PrefillTiles | None = None
