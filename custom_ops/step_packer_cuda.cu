@@ -244,7 +244,7 @@ at::Tensor pack_step_slots_cuda(int64_t message_id, const at::Tensor& seq_ids, c
   const at::Tensor workspace = workspace_for(a);
   launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream);
   FD_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return host.narrow(0, 0, frame_size(a, host.data_ptr<int64_t>()));
+  return host.narrow(0, 0, frame_size(a, static_cast<const int64_t*>(host.data_ptr())));
 }
 
 at::Tensor pack_step_slots_staged_cuda(int64_t message_id, const at::Tensor& seq_ids,
@@ -266,7 +266,7 @@ at::Tensor pack_step_slots_staged_cuda(int64_t message_id, const at::Tensor& seq
   FD_CUDA_CHECK(cudaMemcpyAsync(meta.data_ptr(), device_frame.data_ptr(), kMetaLen * 8, cudaMemcpyDeviceToHost,
                                 stream));
   FD_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const int64_t size = frame_size(a, meta.data_ptr<int64_t>());
+  const int64_t size = frame_size(a, static_cast<const int64_t*>(meta.data_ptr()));
   at::Tensor host = pinned_bytes(size);
   FD_CUDA_CHECK(cudaMemcpyAsync(host.data_ptr(), device_frame.data_ptr(), size, cudaMemcpyDeviceToHost, stream));
   FD_CUDA_CHECK(cudaStreamSynchronize(stream));
