@@ -14,7 +14,8 @@
 // then one copy of exactly the frame crosses PCIe (two transfers, two synchronisations).
 //
 // Invalid inputs cannot raise from the device: accept counts are clamped to 0..S and
-// mask row ranges to [0, M_in]; the CPU op rejects them instead.
+// mask row ranges to [0, M_in] (the CPU op rejects both); rows that overlap so much
+// that they hold more than M_in ids are reported through the header and raise.
 #include <ATen/cuda/CUDAContext.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
@@ -109,7 +110,8 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PackParams p) {
     }
   }
   if (threadIdx.x == 0) {
-    const int64_t m = p.has_mask ? carry : 0;
+    // Overlapping rows (not a CSR) could sum past the buffer sized for M_in ids: report -1.
+    const int64_t m = !p.has_mask ? 0 : (carry > p.num_in_ids ? -1 : carry);
     if (p.has_mask) p.out_off[n] = static_cast<int32_t>(m);
     p.totals[0] = n;
     p.totals[1] = m;
@@ -130,6 +132,7 @@ __device__ __forceinline__ void pad_int32(uint8_t* dest, int64_t offset, int64_t
 
 __global__ void __launch_bounds__(kGatherThreads) gather_kernel(PackParams p) {
   const int64_t n = p.totals[0], m = p.totals[1];
+  if (m < 0) return;
   const FrameLayout l = frame_layout(p.batch, n, m, p.width, p.has_lp, p.has_mask);
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -222,6 +225,7 @@ int64_t largest_frame(const SlotArgs& a) {
 }
 
 int64_t frame_size(const SlotArgs& a, const int64_t* meta) {
+  TORCH_CHECK_VALUE(meta[4] >= 0, "mask_offsets is not a valid CSR over mask_ids");
   return frame_layout(a.batch, meta[3], meta[4], a.k + 1, a.has_lp, a.has_mask).total;
 }
 

@@ -179,3 +179,15 @@ def test_cuda_op_writes_every_byte_of_a_reused_buffer():
 def test_cuda_many_ids_per_row():
     step = make_slots(37, batch=64, slots=5, k=5, top_k=8, mask=True, max_mask_row=5000)
     assert pack_step_slots(to_device(step, "cuda")) == pack_step_slots_reference(step)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_overlapping_mask_rows_are_rejected():
+    step = make_slots(41, batch=4, slots=5, k=-1, top_k=None, mask=True)
+    step.accept_counts = torch.full((4,), 5, dtype=torch.int32)
+    offsets = torch.zeros(21, dtype=torch.int32)
+    offsets[1::2] = len(step.mask_ids)  # ten rows each claim every id
+    step.mask_offsets = offsets
+    with pytest.raises(ValueError, match="CSR"):
+        pack_step_slots(to_device(step, "cuda"))
