@@ -276,6 +276,7 @@ class ModelRunner:
             max_num_logprobs=max(wants_logprobs, default=-1),
             logprobs_mode=self.config.logprobs_mode,
             return_sampling_mask=column(wants_mask, torch.bool) if any(wants_mask) else None,
+            uses_top_p=any(p.top_p < 1.0 for p in params),
         )
 
 

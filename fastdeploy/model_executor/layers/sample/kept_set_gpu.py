@@ -1,115 +1,80 @@
-"""Kept set (top-k -> top-p -> min-p) as a per-row value threshold, for CUDA: no full sort.
+"""Kept set (top-k -> top-p -> min-p) on the GPU without sorting the vocabulary.
 
-The kept set of a row is a prefix of the row in descending logit order with ties
-broken by ascending vocabulary id (a stable sort; see `reference.py`). A prefix is
-fully described by two numbers per row: its length ``n`` and its boundary value
-``b`` (the float32 logit of its last entry). The kept ids are then
+The kept set of a row is a prefix of the row in (logit descending, id ascending)
+order, the order of the float64 reference's stable sort (`reference.py`). A prefix
+is fully described by its last entry: its value ``bv`` and id ``bid``. The kept ids
+are then ``{i : x_i > bv} ∪ {i : x_i == bv, i <= bid}`` (never -inf), which one pass
+writes as a bool [R, V] mask; CSR compaction on the device (`mask_to_csr`) follows,
+so only the kept ids cross PCIe.
 
-    {i : x_i > b}  ∪  the first ``n - #{x > b}`` ids (ascending) with ``x_i == b``
+Finding the last entry of each rule, every row at once and with several programs
+per row (so that a batch of 1 still fills the GPU):
 
-so the set can be materialised as a boolean [R, V] mask with two compares (and a
-cumsum over the equality mask only when a tie straddles the boundary), and
-compacted into CSR on the device with one ``nonzero`` (row-major, so ids come out
-sorted within each row). Only the kept ids then cross PCIe.
+1. Stats: row max ``M`` and smallest finite logit.
+2. Top-k (rows with k < #finite): ``K_PASSES`` passes narrow a value interval
+   ``(a, b]`` holding the k-th largest value; each pass counts ``#{x > t}`` at 16
+   evenly spaced pivots in the interval (counts are exact). A finalise pass then
+   gathers the few logits inside ``(a, b]`` (the candidates) with their ids, and the
+   float64 mass above ``b``; sorting just the candidates gives the k-th entry and the
+   top-k mass ``Z_k`` exactly.
+3. Top-p: the same with the mass ``Σ_{x > t} exp((x - M) / T) / Z_k`` at the pivots,
+   in float32 (``P_PASSES`` passes). A pivot only moves an end of the interval when
+   its estimate is more than ``MASS_MARGIN`` away from ``top_p``, so the true
+   boundary stays inside ``(a, b]`` whatever the float32 rounding. The finalise pass
+   recomputes the mass above ``b`` in float64, and a float64 running sum over the
+   sorted candidates applies the reference's test ``before < top_p`` exactly. The
+   search starts at ``M - 50 T`` at the lowest: all tokens below carry less than
+   ``V e^-50 < 1e-16`` of the mass, so a float32 ``top_p < 1`` always stops above.
+4. Min-p: a value threshold; one pass counts ``exp((x - M) / T) >= min_p`` in float64.
 
-Finding ``(n, b)`` without sorting the vocabulary:
+The kept prefix is the shortest of the three. A final pass writes the mask and sums
+the kept and the total mass in float64, so ``logZ = log(kept / total)`` matches the
+reference to ~1e-15. Rows the search cannot settle (more than ``CANDIDATES``
+logits inside the final interval, e.g. thousands of equal logits, or top_p within
+the margin of 1) are redone by the full sort; they cost one host sync to detect.
 
-1. Window: ``torch.topk`` (radix select, values only) of the first
-   ``W = max(WINDOW, largest top_k <= K_CAP)`` entries per row, decided in float64
-   like `truncation._window`. Peaked LM rows (top-p keeping a few hundred tokens,
-   top-k <= K_CAP, min-p) resolve here.
-2. Rows whose kept set may extend past the window (flat distributions, top_k >
-   K_CAP together with top-p) are resolved by bisection on the float32 values,
-   all such rows at once. Values are mapped to order-preserving int32 keys, so a
-   bisection over keys ends on an exact token value after <= 32 steps:
+Passes read the row from memory (B·V·4 bytes each, about 50 µs at B = 256, V = 152k
+on an H100), against a sort that moves the row many times; see
+benchmarks/sampling_mask.py.
 
-   * top-k: the k-th largest key = the smallest key t with #{key > t} < k;
-   * top-p: the smallest key t with mass{key > t} / Z_k < top_p, where Z_k is
-     the top-k mass (exactly k tokens: the ties at the k-th value count only as
-     many times as fit), and sums are float64 over exp((x - max) / T);
-   * min-p: a threshold on e_i = p_i / p_max >= min_p (a count, no search).
-
-   Since all three rules keep prefixes of the same order, ``n = min(n_k, n_p,
-   n_m)`` and ``b`` = the largest of their boundary keys.
-
-Tie rule (documented deviation-free choice): equal logits are ordered by ascending
-id, exactly like the float64 reference's stable sort. For top-k and min-p this
-reproduces the reference exactly. For top-p, when several tokens share the
-boundary value, the number of them kept is ``ceil((top_p - S) / q)`` (S = the
-renormalised mass strictly above, q = their common probability), i.e. the
-reference's running-sum test evaluated in closed form; the reference marks such
-ids ambiguous anyway. All decisions are float64, so the result equals the
-reference except where a margin is within rounding (``TIE_TOL``) of zero.
-
-``logz = log(kept mass / total mass)``: kept mass in float64; the total in float64
-where a decision needs it (top-p rows without top-k, bisected rows), else a float32
-sum (~1e-7 relative), like `truncation.scaled_lse(exact=False)`.
-
-On CUDA the same search runs as one Triton program per row (`triton_kept_set`,
-bottom of this file): the torch formulation is launch- and sync-bound on a GPU.
-Measured on an H100 (benchmarks/sampler_mask_gpu.py, V = 49152): the kernel beats
-the full sort for min-p (0.45 vs 0.8-3.3 ms with CSR) and top-k (B = 256: 2.3 vs
-3.5 ms) but not yet for top-p (2.3 vs 0.9 ms at B <= 32; 5.0 vs 3.3 ms at B = 256):
-one program per row leaves most SMs idle at small B, and each of the 8 top-p passes
-does float64 exp and 16 pivot sums over the whole row. Next steps: split rows over
-several programs, and narrow the key range with a count-only search first.
-
-Entry points: `kept_set` (dense mask + logz; CUDA -> this module, CPU -> the
-windowed `truncation.kept_window` path), `kept_set_csr` (CSR on the same device),
-`fast_kept_set` (Triton on CUDA, else `threshold_kept_set`, this algorithm in
-torch on any device: CPU tests run it), and
-`kept_set_full_sort` (the vectorised full-sort implementation tests and
-benchmarks hold it to).
+Entry points: `kept_set` (dense mask + logz of truncating rows: this path on CUDA,
+the windowed sort of `truncation.py` on CPU), `mask_to_csr` and
+`fill_sampling_mask_dense` (the sampler's CSR output from a dense kept set).
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 
-from fastdeploy.model_executor.layers.sample.truncation import kept_logz, kept_window, scaled_lse
+from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort
+from fastdeploy.model_executor.layers.sample.truncation import KeptSet, kept_logz, kept_window, scaled_lse
 
-# topk window per row (values only). Rows whose kept set is larger are bisected.
-WINDOW = 1024
-# Rows with top_k <= K_CAP widen the window to k; larger top_k goes to bisection.
-K_CAP = 4096
+try:  # pragma: no cover - only on machines with triton
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means no kernel
+    triton = None
 
-# FD_SAMPLER_FAST_KEPT_SET: "1" = use the threshold path on every device (tests use
-# it to drive the sampler's CUDA branch on CPU), "0" = never, unset = CUDA only.
-_ENV_FLAG = "FD_SAMPLER_FAST_KEPT_SET"
-
-
-def use_fast_path(device: torch.device, uses_top_p: bool = False) -> bool:
-    """Whether the sampler computes kept sets with `threshold_kept_set` on ``device``.
-
-    By default only on CUDA and only for batches without top-p: on the H100 the threshold
-    search beats the full sort 2-7x for min-p and top-k, but is 1.5-2.5x slower than it
-    once top-p is on (see docs/benchmarks.md), so top-p batches keep the sorted window.
-    """
-    flag = os.environ.get(_ENV_FLAG, "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return device.type == "cuda" and not uses_top_p
+PIVOTS = 16  # pivots per search pass: each pass narrows the interval ~16x
+K_PASSES = 3
+P_PASSES = 3
+CANDIDATES = 4096  # logits gathered per row from the final interval
+MASS_MARGIN = 1e-4  # float32 mass estimates are within ~2e-5 of the truth (relative)
+SPAN = 50.0  # tokens more than SPAN * T below the max carry < V e^-SPAN of the mass
+BLOCK = 1024
+PASS_BLOCK = 256  # [PASS_BLOCK, PIVOTS] accumulators per program
+TARGET_PROGRAMS = 1024  # programs per launch: several per SM on an H100 (132 SMs)
 
 
-@dataclass
-class KeptSet:
-    """Kept sets of R rows.
-
-    mask: bool [R, V]. count: int64 [R] (= mask.sum(1)).
-    logz: float64 [R], log of the kept mass under softmax(proc / T) (NaN if not computed).
-    """
-
-    mask: torch.Tensor
-    count: torch.Tensor
-    logz: torch.Tensor
+def uses_fast_path(device: torch.device) -> bool:
+    """Whether `kept_set` takes the sort-free Triton path on ``device`` (CUDA with Triton)."""
+    return device.type == "cuda" and triton is not None
 
 
 # ---------------------------------------------------------------------------------
-# order-preserving int32 keys of float32 values
+# order-preserving int32 keys of float32 values (candidates are sorted by them)
 
 
 def ordered_key(x: torch.Tensor) -> torch.Tensor:
@@ -124,236 +89,341 @@ def key_to_float(k: torch.Tensor) -> torch.Tensor:
     return (k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32)
 
 
-NEG_INF_KEY = int(ordered_key(torch.tensor([-math.inf]))[0])
+# ---------------------------------------------------------------------------------
+# kernels: grid (rows, programs per row); program s reads row[s * chunk : (s + 1) * chunk]
 
+if triton is not None:
 
-def _bisect_smallest(pred, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest int t in [lo, hi] with pred(t) (int64 [R]); pred monotone, pred(hi) True."""
-    iters = int((hi - lo).max()).bit_length() if lo.numel() else 0
-    for _ in range(iters):
-        mid = (lo + hi) >> 1  # floor, also for negatives
-        ok = pred(mid)
-        hi = torch.where(ok, mid, hi)
-        lo = torch.where(ok, lo, mid + 1)
-    return hi
+    @triton.jit
+    def _tkey(x):
+        b = (x + 0.0).to(tl.int32, bitcast=True)
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _stats_kernel(x_ptr, stride, V, chunk, pmax_ptr, pmin_ptr, S, BLOCK: tl.constexpr):
+        """Partial max and smallest finite value (+inf if none) of each chunk."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        xrow = x_ptr + row * stride
+        offs = tl.arange(0, BLOCK)
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        mn = tl.full([BLOCK], float("inf"), tl.float32)
+        for i in range(0, chunk, BLOCK):
+            o = s * chunk + i + offs
+            valid = o < V
+            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
+            mx = tl.maximum(mx, x)
+            mn = tl.minimum(mn, tl.where(x > float("-inf"), x, float("inf")))
+        tl.store(pmax_ptr + row * S + s, tl.max(mx, axis=0))
+        tl.store(pmin_ptr + row * S + s, tl.min(mn, axis=0))
+
+    @triton.jit
+    def _pivot_pass_kernel(
+        x_ptr, stride, V, chunk, act_ptr, piv_ptr, m_ptr, it_ptr, out_ptr, z_ptr, S,
+        MASS: tl.constexpr, WITH_Z: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Per pivot t: #{x > t} (MASS=False) or float32 Σ_{x > t} exp((x - M) / T) (MASS=True).
+
+        WITH_Z also sums the whole chunk's mass in float64 (the exact normaliser).
+        """
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        jj = tl.arange(0, P)
+        acc = tl.zeros([BLOCK, P], dtype=tl.float32)
+        z = tl.zeros([BLOCK], dtype=tl.float64)
+        if tl.load(act_ptr + row) != 0:
+            xrow = x_ptr + row * stride
+            offs = tl.arange(0, BLOCK)
+            piv = tl.load(piv_ptr + row * P + jj)
+            m = tl.load(m_ptr + row)
+            it = tl.load(it_ptr + row)  # 1 / T, float64
+            it32 = it.to(tl.float32)
+            for i in range(0, chunk, BLOCK):
+                o = s * chunk + i + offs
+                valid = o < V
+                x = tl.load(xrow + o, mask=valid, other=float("-inf"))
+                gt = x[:, None] > piv[None, :]
+                if MASS:
+                    e = tl.exp((x - m) * it32)
+                    acc += tl.where(gt, e[:, None], 0.0)
+                else:
+                    acc += gt.to(tl.float32)
+                if WITH_Z:
+                    z += tl.exp((x.to(tl.float64) - m.to(tl.float64)) * it)
+        tl.store(out_ptr + (row * S + s) * P + jj, tl.sum(acc, axis=0))
+        if WITH_Z:
+            tl.store(z_ptr + row * S + s, tl.sum(z, axis=0))
+
+    @triton.jit
+    def _finalize_kernel(
+        x_ptr, stride, V, chunk, act_ptr, a_ptr, b_ptr, m_ptr, it_ptr,
+        gt_ptr, mass_ptr, cand_ptr, ncand_ptr, S, C, BLOCK: tl.constexpr,
+    ):
+        """#{x > b}, float64 mass above b, and the candidates a < x <= b as int64 keys
+        (ordered_key(x) << 32 | (V - 1 - id): descending key order = the reference's order)."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        cnt = tl.zeros([BLOCK], dtype=tl.int32)
+        mass = tl.zeros([BLOCK], dtype=tl.float64)
+        if tl.load(act_ptr + row) != 0:
+            xrow = x_ptr + row * stride
+            offs = tl.arange(0, BLOCK)
+            a = tl.load(a_ptr + row)
+            b = tl.load(b_ptr + row)
+            m = tl.load(m_ptr + row).to(tl.float64)
+            it = tl.load(it_ptr + row)
+            for i in range(0, chunk, BLOCK):
+                o = s * chunk + i + offs
+                valid = o < V
+                x = tl.load(xrow + o, mask=valid, other=float("-inf"))
+                above = x > b
+                cnt += above.to(tl.int32)
+                mass += tl.where(above, tl.exp((x.to(tl.float64) - m) * it), 0.0)
+                sel = (x > a) & (x <= b) & valid
+                nsel = tl.sum(sel.to(tl.int32), axis=0)
+                if nsel > 0:
+                    base = tl.atomic_add(ncand_ptr + row, nsel)
+                    pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                    key = (_tkey(x).to(tl.int64) << 32) | (V - 1 - o).to(tl.int64)
+                    tl.store(cand_ptr + row * C + pos, key, mask=sel & (pos < C))
+        tl.store(gt_ptr + row * S + s, tl.sum(cnt, axis=0))
+        tl.store(mass_ptr + row * S + s, tl.sum(mass, axis=0))
+
+    @triton.jit
+    def _min_p_kernel(x_ptr, stride, V, chunk, mp_ptr, m_ptr, it_ptr, cnt_ptr, low_ptr, S, BLOCK: tl.constexpr):
+        """#{exp((x - M) / T) >= min_p} (float64) and the smallest such x, per chunk."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        cnt = tl.zeros([BLOCK], dtype=tl.int32)
+        low = tl.full([BLOCK], float("inf"), tl.float32)
+        mp = tl.load(mp_ptr + row).to(tl.float64)
+        if mp > 0.0:
+            xrow = x_ptr + row * stride
+            offs = tl.arange(0, BLOCK)
+            m = tl.load(m_ptr + row).to(tl.float64)
+            it = tl.load(it_ptr + row)
+            for i in range(0, chunk, BLOCK):
+                o = s * chunk + i + offs
+                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+                ok = tl.exp((x.to(tl.float64) - m) * it) >= mp
+                cnt += ok.to(tl.int32)
+                low = tl.minimum(low, tl.where(ok, x, float("inf")))
+        tl.store(cnt_ptr + row * S + s, tl.sum(cnt, axis=0))
+        tl.store(low_ptr + row * S + s, tl.min(low, axis=0))
+
+    @triton.jit
+    def _mask_kernel(
+        x_ptr, stride, V, chunk, bv_ptr, bid_ptr, m_ptr, it_ptr, mask_ptr, cnt_ptr, kept_ptr, z_ptr, S,
+        BLOCK: tl.constexpr,
+    ):
+        """mask = (x > bv) | (x == bv & id <= bid), finite; kept count, float64 kept and total mass."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        xrow = x_ptr + row * stride
+        offs = tl.arange(0, BLOCK)
+        bv = tl.load(bv_ptr + row)
+        bid = tl.load(bid_ptr + row)
+        m = tl.load(m_ptr + row).to(tl.float64)
+        it = tl.load(it_ptr + row)
+        cnt = tl.zeros([BLOCK], dtype=tl.int32)
+        kept = tl.zeros([BLOCK], dtype=tl.float64)
+        z = tl.zeros([BLOCK], dtype=tl.float64)
+        for i in range(0, chunk, BLOCK):
+            o = s * chunk + i + offs
+            valid = o < V
+            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
+            keep = ((x > bv) | ((x == bv) & (o <= bid))) & (x > float("-inf"))
+            tl.store(mask_ptr + row * V + o, keep.to(tl.int8), mask=valid)
+            e = tl.exp((x.to(tl.float64) - m) * it)
+            cnt += keep.to(tl.int32)
+            kept += tl.where(keep, e, 0.0)
+            z += e
+        tl.store(cnt_ptr + row * S + s, tl.sum(cnt, axis=0))
+        tl.store(kept_ptr + row * S + s, tl.sum(kept, axis=0))
+        tl.store(z_ptr + row * S + s, tl.sum(z, axis=0))
 
 
 # ---------------------------------------------------------------------------------
-# the threshold algorithm
+# host side: launches and small per-row torch ops, no host sync until the fallback check
 
 
-def _bisect_rows(
-    proc: torch.Tensor,
-    key: torch.Tensor,
-    t64: torch.Tensor,
-    ke: torch.Tensor,
-    tp: torch.Tensor,
-    mp: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, boundary key, kept mass, total mass) of rows resolved by bisection over the full row.
+class _Rows:
+    """A batch of rows and how it is split into chunks, one program per (row, chunk)."""
 
-    proc float32 [F, V], key int32 [F, V]; masses are float64 sums of exp((x - max) / T).
+    def __init__(self, proc: torch.Tensor, temperature: torch.Tensor):
+        self.x = proc if proc.stride(1) == 1 else proc.contiguous()
+        self.r, self.v = proc.shape
+        self.dev = proc.device
+        per_row = max(1, min(triton.cdiv(self.v, BLOCK), triton.cdiv(TARGET_PROGRAMS, max(self.r, 1))))
+        self.chunk = triton.cdiv(triton.cdiv(self.v, per_row), BLOCK) * BLOCK
+        self.s = triton.cdiv(self.v, self.chunk)
+        self.inv_t = (1.0 / temperature.to(device=self.dev, dtype=torch.float64)).contiguous()
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.r, self.s)
+
+    def empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty((self.r, self.s, *shape) if shape else (self.r, self.s), dtype=dtype, device=self.dev)
+
+
+def _search(rows: _Rows, act, lo, hi, m, accept, mass: bool, passes: int, want_z: bool = False):
+    """Narrow (lo, hi] per active row over ``passes`` pivot passes.
+
+    ``accept(values [R, P], z) -> (hi_ok, lo_ok)``: bool [R, P], pivots that may become the
+    new upper / lower end; z is the float64 row mass (want_z: summed in the first pass),
+    else None. Returns (lo, hi, z).
     """
-    f, v = proc.shape
-    m = proc.max(dim=1, keepdim=True).values.double()
-    t1 = t64.unsqueeze(1)
-    e = proc.double().sub_(m).div_(t1).exp_()  # float64 [F, V]; -inf -> 0
-    z = e.sum(dim=1)
-    kmin = key.min(dim=1).values.long()
-    kmax = key.max(dim=1).values.long()
-
-    def cnt_gt(t):
-        return (key > t.int().unsqueeze(1)).sum(dim=1)
-
-    def mass_gt(t):
-        return torch.where(key > t.int().unsqueeze(1), e, 0.0).sum(dim=1)
-
-    def e_at(t):
-        return torch.exp((key_to_float(t).double() - m.squeeze(1)) / t64)
-
-    # top-k: the k-th largest key
-    has_k = ke < v
-    kth = kmin
-    zk = z
-    if bool(has_k.any()):
-        kth = _bisect_smallest(lambda t: (cnt_gt(t) < ke) | ~has_k, kmin, kmax)
-        kth = torch.where(has_k, kth, kmin)
-        # exactly k tokens' mass: the ties at the k-th value count as many times as fit
-        zk = torch.where(has_k, mass_gt(kth) + (ke - cnt_gt(kth)).double() * e_at(kth), z)
-
-    # top-p on the top-k renormalised mass: the boundary can't be below the k-th value
-    p_on = tp < 1.0
-    n_p = torch.full_like(ke, v)
-    t_p = kmin
-    if bool(p_on.any()):
-        tp_c = torch.where(p_on, tp, torch.ones_like(tp))
-        t_p = _bisect_smallest(lambda t: (mass_gt(t) / zk < tp_c) | ~p_on, kth, kmax)
-        s = mass_gt(t_p) / zk
-        q = e_at(t_p) / zk
-        ties = (key == t_p.int().unsqueeze(1)).sum(dim=1)
-        # tokens at the boundary value kept by the running-sum test s + r q < top_p
-        c = torch.ceil((tp_c - s) / q).nan_to_num(nan=1.0, posinf=float(v)).clamp(1, v).long()
-        c = torch.minimum(c, ties).clamp(min=1)
-        n_p = torch.where(p_on, cnt_gt(t_p) + c, n_p)
-        t_p = torch.where(p_on, t_p, kmin)
-
-    # min-p: p_i / p_max = e_i >= min_p
-    mp_on = mp > 0
-    n_m = torch.full_like(ke, v)
-    t_m = kmin
-    if bool(mp_on.any()):
-        passes = e >= mp.unsqueeze(1)
-        n_m = torch.where(mp_on, passes.sum(dim=1), n_m)
-        t_m = torch.where(passes, key, torch.iinfo(torch.int32).max).min(dim=1).values.long()
-        t_m = torch.where(n_m == 0, kmax, t_m)
-        t_m = torch.where(mp_on, t_m, kmin)
-
-    n = torch.minimum(torch.minimum(ke, n_p), n_m).clamp(min=1)
-    bkey = torch.maximum(torch.maximum(kth, t_p), t_m)
-    bkey = torch.where(n == 1, kmax, bkey)
-    kept = mass_gt(bkey) + (n - cnt_gt(bkey)).double() * e_at(bkey)
-    return n, bkey, kept, z
+    frac = torch.arange(1, PIVOTS + 1, device=rows.dev, dtype=torch.float32) / PIVOTS
+    act_i = act.to(torch.int8)
+    z = None
+    for n in range(passes):
+        piv = lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * frac
+        piv = torch.minimum(torch.maximum(piv, lo.unsqueeze(1)), hi.unsqueeze(1))
+        piv[:, -1] = hi
+        piv = piv.contiguous()
+        out = rows.empty(PIVOTS, dtype=torch.float32)
+        with_z = want_z and n == 0
+        pz = rows.empty(dtype=torch.float64) if with_z else out
+        _pivot_pass_kernel[rows.grid](
+            rows.x, rows.x.stride(0), rows.v, rows.chunk, act_i, piv, m, rows.inv_t, out, pz, rows.s,
+            MASS=mass, WITH_Z=with_z, P=PIVOTS, BLOCK=PASS_BLOCK, num_warps=4,
+        )
+        if with_z:
+            z = pz.sum(dim=1)
+        vals = out.sum(dim=1, dtype=torch.float64)  # [R, P]
+        hi_ok, lo_ok = accept(vals, z)
+        hi_ok[:, -1] = True  # hi itself satisfies the invariant
+        j_hi = hi_ok.to(torch.int8).argmax(dim=1)  # first acceptable pivot from below
+        # lower end: the last lo_ok pivot below j_hi, or the old lo
+        below = lo_ok & (torch.arange(PIVOTS, device=rows.dev) < j_hi.unsqueeze(1))
+        j_lo = PIVOTS - 1 - below.flip(1).to(torch.int8).argmax(dim=1)
+        new_lo = torch.where(below.any(dim=1), piv.gather(1, j_lo.unsqueeze(1)).squeeze(1), lo)
+        new_hi = piv.gather(1, j_hi.unsqueeze(1)).squeeze(1)
+        lo = torch.where(act, new_lo, lo)
+        hi = torch.where(act, new_hi, hi)
+    return lo, hi, z
 
 
-def _mask_from_threshold(key: torch.Tensor, n: torch.Tensor, bkey: torch.Tensor) -> torch.Tensor:
-    """bool [R, V]: the first n entries of each row in (value desc, id asc) order; -inf never kept."""
-    b = bkey.int().unsqueeze(1)
-    mask = key >= b
-    cnt = mask.sum(dim=1)
-    cut = cnt != n  # a tie straddles the boundary: keep only the first ids of the tied value
-    has_ninf = bkey == NEG_INF_KEY
-    if bool((cut | has_ninf).any()):
-        eq = key == b
-        slots = n - (cnt - eq.sum(dim=1))
-        mask = (key > b) | (eq & (torch.cumsum(eq, dim=1, dtype=torch.int32) <= slots.unsqueeze(1)))
-        mask &= key != NEG_INF_KEY
-    return mask
+class _Candidates:
+    """Finalise pass results: #{x > b}, float64 mass above b, and the sorted candidates."""
+
+    def __init__(self, rows: _Rows, act, a, b, m):
+        gt = rows.empty(dtype=torch.int32)
+        mass = rows.empty(dtype=torch.float64)
+        cand = torch.full((rows.r, CANDIDATES), torch.iinfo(torch.int64).min, dtype=torch.int64, device=rows.dev)
+        ncand = torch.zeros(rows.r, dtype=torch.int32, device=rows.dev)
+        _finalize_kernel[rows.grid](
+            rows.x, rows.x.stride(0), rows.v, rows.chunk, act.to(torch.int8), a, b, m, rows.inv_t,
+            gt, mass, cand, ncand, rows.s, CANDIDATES, BLOCK=BLOCK, num_warps=4,
+        )
+        self.gt = gt.sum(dim=1, dtype=torch.int64)
+        self.mass = mass.sum(dim=1)
+        self.n = ncand.long()
+        self.overflow = act & (self.n > CANDIDATES)
+        keys = cand.sort(dim=1, descending=True).values
+        self.values = key_to_float((keys >> 32).to(torch.int32))
+        self.ids = rows.v - 1 - (keys & 0xFFFFFFFF)
+        self.valid = torch.arange(CANDIDATES, device=rows.dev).unsqueeze(0) < self.n.unsqueeze(1)
+        # float64 mass of each candidate relative to the row max; 0 for empty slots
+        e = torch.exp((self.values.double() - m.double().unsqueeze(1)) * rows.inv_t.unsqueeze(1))
+        self.e = torch.where(self.valid, e, 0.0)
+
+    def entry(self, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(value, id) of candidate j per row (j clamped into the buffer)."""
+        j = j.clamp(0, CANDIDATES - 1).unsqueeze(1)
+        return self.values.gather(1, j).squeeze(1), self.ids.gather(1, j).squeeze(1)
 
 
-def threshold_kept_set(
-    proc: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    want_logz: bool = True,
-    window: int = WINDOW,
-) -> KeptSet:
-    """Kept sets of truncating, non-greedy rows without a full sort (any device).
-
-    Args:
-        proc: float32 [R, V] processed logits (before temperature).
-        temperature: [R] (> 0). top_k: int64 [R] (0 = off). top_p: [R] (1 = off).
-        min_p: [R] (0 = off).
-        want_logz: compute logz (else NaN).
-        window: topk window width; 0 sends every row to the bisection (tests).
-    """
-    proc = proc.float()
-    r, v = proc.shape
-    dev = proc.device
-    if r == 0:
-        empty = torch.empty(0, v, dtype=torch.bool, device=dev)
-        none = torch.empty(0, dtype=torch.int64, device=dev)
-        return KeptSet(empty, none, none.double())
-    t64 = temperature.to(device=dev, dtype=torch.float64)
+def _triton_kept_set(proc, temperature, top_k, top_p, min_p, uses_top_p: bool) -> tuple[KeptSet, torch.Tensor]:
+    """The sort-free kept set and a bool [R] of rows it could not settle."""
+    rows = _Rows(proc.float(), temperature)
+    r, v, dev = rows.r, rows.v, rows.dev
     tp = top_p.to(device=dev, dtype=torch.float64)
-    mp = min_p.to(device=dev, dtype=torch.float64)
-    top_k = top_k.to(device=dev, dtype=torch.int64)
-    ke = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
-    key = ordered_key(proc)
+    mp = min_p.to(device=dev, dtype=torch.float32).contiguous()
+    k = top_k.to(device=dev, dtype=torch.int64)
+    big = torch.full((r,), v + 1, dtype=torch.int64, device=dev)  # "rule off": longer than any prefix
 
-    n = torch.ones(r, dtype=torch.int64, device=dev)
-    bkey = torch.zeros(r, dtype=torch.int64, device=dev)
-    kept = torch.zeros(r, dtype=torch.float64, device=dev)
-    z = torch.full((r,), math.nan, dtype=torch.float64, device=dev)  # total mass, relative to the row max
+    pmax = rows.empty(dtype=torch.float32)
+    pmin = rows.empty(dtype=torch.float32)
+    _stats_kernel[rows.grid](rows.x, rows.x.stride(0), v, rows.chunk, pmax, pmin, rows.s, BLOCK=BLOCK, num_warps=4)
+    m = pmax.max(dim=1).values.contiguous()
+    finite_min = pmin.min(dim=1).values
+    # strictly below every finite logit: #{x > start} = all finite tokens
+    start = torch.nextafter(finite_min, torch.full_like(finite_min, -math.inf))
+    failed = torch.zeros(r, dtype=torch.bool, device=dev)
 
-    fb = torch.ones(r, dtype=torch.bool, device=dev)
-    if window > 0:
-        w = min(v, max(window, int(torch.where(ke <= K_CAP, ke, 0).max())))
-        vals = torch.topk(proc, w, dim=1, largest=True, sorted=True).values
-        m = vals[:, :1].double()
-        e_w = vals.double().sub_(m).div_(t64.unsqueeze(1)).exp_()  # float64 [R, W]
-        j = torch.arange(w, device=dev).unsqueeze(0)
-        in_k = j < ke.unsqueeze(1)
-        # q's normaliser: the top-k mass (top-k inside the window) or the exact total.
-        zk = torch.where(ke <= w, (e_w * in_k).sum(dim=1), torch.full_like(tp, math.nan))
-        need_z = (ke >= v) & (tp < 1.0)
-        if bool(need_z.any()):
-            rows = need_z.nonzero().squeeze(1)
-            z[rows] = (proc[rows].double() - m[rows]).div_(t64[rows].unsqueeze(1)).exp_().sum(dim=1)
-            zk = torch.where(need_z, z, zk)
-        q = e_w / zk.unsqueeze(1)
-        cum = torch.cumsum(q, dim=1)
-        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-        tp_off = (tp >= 1.0).unsqueeze(1)
-        keep = in_k & (tp_off | (before < tp.unsqueeze(1)))
-        keep &= (mp <= 0).unsqueeze(1) | (e_w >= mp.unsqueeze(1))
-        keep[:, 0] = True
-        n_w = keep.sum(dim=1)  # every rule keeps a prefix
-        # The entry after the window could still be kept; or top-p needs Z_k of k > W.
-        short = (n_w == w) & (w < v) & (ke > w) & ((tp >= 1.0) | (cum[:, -1] < tp))
-        fb = short | ((ke > w) & (ke < v) & (tp < 1.0))
-        n = n_w
-        bkey = ordered_key(vals.gather(1, (n_w - 1).unsqueeze(1)).squeeze(1)).long()
-        kept = (e_w * keep).sum(dim=1)
+    # top-k
+    k_on = (k > 0) & (k < v)
+    # rows without top-k skip the passes inside the kernels
+    lo, hi, _ = _search(
+        rows, k_on, start, m.clone(), m,
+        lambda cnt, _z: (cnt < k.unsqueeze(1), cnt >= k.unsqueeze(1)), mass=False, passes=K_PASSES,
+    )
+    cand = _Candidates(rows, k_on, lo.contiguous(), hi.contiguous(), m)
+    j = k - cand.gt - 1  # position of the k-th entry among the candidates
+    # fewer candidates than needed: k exceeds the finite tokens, so top-k cuts nothing
+    k_on = k_on & (j < cand.n)
+    failed |= k_on & cand.overflow
+    bv_k, bid_k = cand.entry(j)
+    in_k = torch.arange(CANDIDATES, device=dev).unsqueeze(0) <= j.unsqueeze(1)
+    z_k = cand.mass + (cand.e * in_k).sum(dim=1)  # float64 top-k mass (rows with k_on)
+    n_k = torch.where(k_on, k, big)
 
-    rows = fb.nonzero().squeeze(1)
-    if rows.numel():
-        n_f, b_f, kept_f, z_f = _bisect_rows(proc[rows], key[rows], t64[rows], ke[rows], tp[rows], mp[rows])
-        n[rows], bkey[rows], kept[rows], z[rows] = n_f, b_f, kept_f, z_f
+    # top-p on the top-k renormalised mass
+    n_p, bv_p, bid_p = big, m, big
+    p_on = tp < 1.0
+    if uses_top_p:
+        floor = torch.maximum(start, m - SPAN / rows.inv_t.float())
+        # with top-k, the boundary is at or above the k-th value
+        floor = torch.where(k_on, torch.maximum(floor, torch.nextafter(bv_k, torch.full_like(bv_k, -math.inf))), floor)
+        tp_col = tp.unsqueeze(1)
 
-    mask = _mask_from_threshold(key, n, bkey)
-    logz = torch.full((r,), math.nan, dtype=torch.float64, device=dev)
-    if want_logz:
-        # kept and z are both relative to exp(max / T): logz = log kept - log z.
-        missing = torch.isnan(z)
-        if bool(missing.any()):
-            m32 = proc.max(dim=1, keepdim=True).values
-            z32 = torch.exp((proc - m32).div_(temperature.to(dev).float().unsqueeze(1))).sum(dim=1).double()
-            z = torch.where(missing, z32, z)
-        logz = torch.log(kept) - torch.log(z)
-    return KeptSet(mask, mask.sum(dim=1), logz)
+        def accept(mass, z):
+            q = mass / torch.where(k_on, z_k, z).unsqueeze(1)
+            return q < tp_col - MASS_MARGIN, q >= tp_col + MASS_MARGIN
 
+        lo, hi, z = _search(rows, p_on, floor.contiguous(), m.clone(), m, accept, mass=True, passes=P_PASSES,
+                            want_z=True)
+        zk = torch.where(k_on, z_k, z)
+        cand = _Candidates(rows, p_on, lo.contiguous(), hi.contiguous(), m)
+        cum = cand.mass.unsqueeze(1) + torch.cumsum(cand.e, dim=1)  # mass through candidate j
+        before = (cum - cand.e) / zk.unsqueeze(1)
+        kept = cand.valid & (before < tp_col)
+        c = kept.sum(dim=1)
+        # all candidates kept while the mass is still short of top_p: boundary below the interval
+        short = (c == cand.n) & (cum.gather(1, (cand.n - 1).clamp(0, CANDIDATES - 1).unsqueeze(1)).squeeze(1) / zk < tp)
+        failed |= p_on & (cand.overflow | (c == 0) | short)
+        bv_p, bid_p = cand.entry(c - 1)
+        n_p = torch.where(p_on, cand.gt + c, big)
 
-# ---------------------------------------------------------------------------------
-# full-sort implementation (the vectorised definition tests and benchmarks compare to)
+    # min-p: every tie of the threshold value is kept
+    pc = rows.empty(dtype=torch.int32)
+    pl = rows.empty(dtype=torch.float32)
+    _min_p_kernel[rows.grid](rows.x, rows.x.stride(0), v, rows.chunk, mp, m, rows.inv_t, pc, pl, rows.s,
+                             BLOCK=BLOCK, num_warps=4)
+    n_m = torch.where(min_p.to(dev) > 0, pc.sum(dim=1, dtype=torch.int64).clamp(min=1), big)
+    bv_m = pl.min(dim=1).values
 
+    # the shortest prefix wins; no rule at all keeps every finite token
+    n_all = torch.stack([n_k, n_p, n_m], dim=1)
+    pick = n_all.argmin(dim=1, keepdim=True)
+    none = n_all.min(dim=1).values > v
+    bv = torch.stack([bv_k, bv_p, bv_m], dim=1).gather(1, pick).squeeze(1)
+    bid = torch.stack([bid_k, bid_p, big], dim=1).gather(1, pick).squeeze(1)
+    bv = torch.where(none, torch.full_like(bv, -math.inf), bv).float().contiguous()
+    bid = torch.where(none, big, bid).contiguous()
 
-def kept_set_full_sort(
-    proc: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> KeptSet:
-    """Same kept sets by a stable full sort of every row and a float64 running sum."""
-    proc = proc.float()
-    r, v = proc.shape
-    dev = proc.device
-    t64 = temperature.to(device=dev, dtype=torch.float64).unsqueeze(1)
-    tp = top_p.to(device=dev, dtype=torch.float64).unsqueeze(1)
-    mp = min_p.to(device=dev, dtype=torch.float64).unsqueeze(1)
-    top_k = top_k.to(device=dev, dtype=torch.int64)
-    ke = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).unsqueeze(1)
-    vals, idx = torch.sort(proc, dim=1, descending=True, stable=True)
-    e = vals.double().sub_(vals[:, :1].double()).div_(t64).exp_()
-    z = e.sum(dim=1)
-    in_k = torch.arange(v, device=dev).unsqueeze(0) < ke
-    q = e * in_k
-    q = q / q.sum(dim=1, keepdim=True)
-    cum = torch.cumsum(q, dim=1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-    keep = in_k & ((tp >= 1.0) | (before < tp)) & ((mp <= 0) | (e >= mp))
-    keep[:, 0] = True
-    keep = keep.cumprod(dim=1).bool()  # prefix (already is; cheap insurance)
-    kept = (e * keep).sum(dim=1)
-    keep &= vals > -math.inf
-    mask = torch.zeros_like(keep).scatter_(1, idx, keep)
-    return KeptSet(mask, mask.sum(dim=1), torch.log(kept) - torch.log(z))
-
-
-# ---------------------------------------------------------------------------------
-# entry points
+    mask = torch.empty(r, v, dtype=torch.int8, device=dev)
+    pcnt = rows.empty(dtype=torch.int32)
+    pkept = rows.empty(dtype=torch.float64)
+    pz = rows.empty(dtype=torch.float64)
+    _mask_kernel[rows.grid](rows.x, rows.x.stride(0), v, rows.chunk, bv, bid, m, rows.inv_t, mask, pcnt, pkept, pz,
+                            rows.s, BLOCK=BLOCK, num_warps=4)
+    count = pcnt.sum(dim=1, dtype=torch.int64)
+    logz = torch.log(pkept.sum(dim=1)) - torch.log(pz.sum(dim=1))
+    logz = torch.where(count == 0, -math.inf, logz)  # every logit -inf: nothing can be kept
+    return KeptSet(mask.view(torch.bool), count, logz), failed
 
 
 def _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz: bool) -> KeptSet:
@@ -372,20 +442,6 @@ def _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz: bool) 
     return KeptSet(mask, mask.sum(dim=1), logz)
 
 
-def fast_kept_set(
-    proc: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    want_logz: bool = True,
-) -> KeptSet:
-    """The threshold kept set: one Triton launch on CUDA, the torch formulation elsewhere."""
-    if proc.is_cuda and triton is not None:
-        return triton_kept_set(proc, temperature, top_k, top_p, min_p, want_logz)
-    return threshold_kept_set(proc, temperature, top_k, top_p, min_p, want_logz=want_logz)
-
-
 def kept_set(
     proc: torch.Tensor,
     temperature: torch.Tensor,
@@ -393,11 +449,29 @@ def kept_set(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     want_logz: bool = True,
+    uses_top_p: bool = True,
 ) -> KeptSet:
-    """Kept sets as a dense bool mask + float64 logz; threshold path on CUDA, windowed sort on CPU."""
-    if use_fast_path(proc.device):
-        return fast_kept_set(proc, temperature, top_k, top_p, min_p, want_logz)
-    return _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz)
+    """Kept sets of truncating, non-greedy rows as a dense bool mask + float64 logz.
+
+    Args:
+        proc: float32 [R, V] processed logits (before temperature).
+        temperature: [R] (> 0). top_k: int64 [R] (0 = off). top_p: [R] (1 = off).
+        min_p: [R] (0 = off).
+        want_logz: compute logz (else it may be NaN).
+        uses_top_p: whether any row has top_p < 1, known on the host
+            (`SamplingMetadata.uses_top_p`); False skips the top-p passes.
+
+    CUDA with Triton: the sort-free search above (rows it cannot settle are redone by
+    the full sort). Elsewhere: the windowed partial sort of `truncation.kept_window`.
+    """
+    if proc.shape[0] == 0 or not uses_fast_path(proc.device):
+        return _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz)
+    ks, failed = _triton_kept_set(proc, temperature, top_k, top_p, min_p, uses_top_p)
+    if bool(failed.any()):
+        rows = failed.nonzero().squeeze(1)
+        fs = kept_set_full_sort(proc[rows], temperature[rows], top_k[rows], top_p[rows], min_p[rows])
+        ks.mask[rows], ks.count[rows], ks.logz[rows] = fs.mask, fs.count, fs.logz
+    return ks
 
 
 def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,28 +483,6 @@ def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return offsets.to(torch.int32), ids
 
 
-def kept_set_csr(
-    proc: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    requested: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR kept sets (offsets int32 [R+1], ids int32 [M]) and logz float32 [R], computed on proc's device.
-
-    Rows with ``requested`` False get an empty row and logz 0.
-    """
-    ks = kept_set(proc, temperature, top_k, top_p, min_p)
-    mask, logz = ks.mask, ks.logz.float()
-    if requested is not None:
-        req = requested.to(device=proc.device, dtype=torch.bool)
-        mask = mask & req.unsqueeze(1)
-        logz = torch.where(req, logz, torch.zeros_like(logz))
-    offsets, ids = mask_to_csr(mask)
-    return offsets, ids, logz
-
-
 def fill_sampling_mask_dense(
     out,
     proc: torch.Tensor,
@@ -439,7 +491,7 @@ def fill_sampling_mask_dense(
     t_rows: torch.Tensor,
     kept: KeptSet | None,
 ) -> None:
-    """`sampler._fill_sampling_mask` for the threshold path: CSR by one nonzero on the device.
+    """`sampler._fill_sampling_mask` for a dense kept set: CSR by one nonzero on the device.
 
     Truncating rows take ``kept`` (rows of t_rows, in order); greedy rows their argmax,
     with logz the argmax's mass under the temperature-1 softmax. Others: empty, logz 0.
@@ -462,229 +514,3 @@ def fill_sampling_mask_dense(
             logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
     out.mask_offsets, out.mask_ids = mask_to_csr(mask)
     out.logz = logz
-
-
-# ---------------------------------------------------------------------------------
-# Triton: the whole threshold search of a row in one program (CUDA)
-#
-# The torch formulation above is launch-bound on a GPU (a few hundred small ops and
-# several host syncs per call). The kernel runs one program per row, streaming the
-# row from L2 in every pass, and replaces binary bisection by a 16-way search: each
-# pass evaluates 15 pivots at once, so a 32-bit key range closes in 8 passes. It
-# applies the same rules (top-k count, float64 top-p mass on the top-k mass, min-p
-# on e = p / p_max, stable tie rule) and writes the mask itself, tie ranks from a
-# running count across chunks.
-
-try:  # pragma: no cover - only on machines with triton
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means no kernel
-    triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def _tkey(x):
-        b = (x + 0.0).to(tl.int32, bitcast=True)
-        return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-    @triton.jit
-    def _tval(k):
-        k32 = k.to(tl.int32)
-        return (k32 ^ ((k32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _search16(xrow, V, lo, hi, m, t, zk, thresh, USE_MASS: tl.constexpr, BLOCK: tl.constexpr):
-        """(t = 1 / temperature.) Smallest key in [lo, hi] with  count(key > .) < thresh  (USE_MASS=False) or
-        mass(key > .) / zk < thresh (USE_MASS=True); the predicate holds at hi."""
-        offs = tl.arange(0, BLOCK)
-        jj = tl.arange(0, 16).to(tl.int64)
-        while lo < hi:
-            step = (hi - lo + 14) // 15  # >= 1; pivots lo, lo + step, ..., the last one hi
-            piv = tl.minimum(lo + jj * step, hi)
-            piv32 = piv.to(tl.int32)
-            # per-lane accumulators, reduced across the program once per pass
-            cnt = tl.zeros([BLOCK, 16], dtype=tl.int32)
-            mass = tl.zeros([BLOCK, 16], dtype=tl.float64)
-            for start in range(0, V, BLOCK):
-                o = start + offs
-                valid = o < V
-                x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-                key = _tkey(x)
-                gt = (key[:, None] > piv32[None, :]) & valid[:, None]
-                if USE_MASS:
-                    e = tl.exp((x.to(tl.float64) - m) * t)
-                    mass += tl.where(gt, e[:, None], 0.0)
-                else:
-                    cnt += gt.to(tl.int32)
-            if USE_MASS:
-                ok = (tl.sum(mass, axis=0) / zk) < thresh
-            else:
-                ok = tl.sum(cnt, axis=0).to(tl.int64) < thresh
-            ok = ok | (piv == hi)
-            j = tl.min(tl.where(ok, jj, 16), axis=0)
-            new_hi = tl.sum(tl.where(jj == j, piv, 0), axis=0)
-            prev = tl.sum(tl.where(jj == j - 1, piv, 0), axis=0)
-            lo = tl.where(j == 0, new_hi, prev + 1)
-            hi = new_hi
-        return hi
-
-    @triton.jit
-    def _above(xrow, V, b, m, t, BLOCK: tl.constexpr):
-        """(count, float64 mass) of keys > b, and the count of keys == b. t = 1 / temperature."""
-        offs = tl.arange(0, BLOCK)
-        b32 = b.to(tl.int32)
-        cnt = tl.zeros([BLOCK], dtype=tl.int32)
-        eqc = tl.zeros([BLOCK], dtype=tl.int32)
-        mass = tl.zeros([BLOCK], dtype=tl.float64)
-        for start in range(0, V, BLOCK):
-            o = start + offs
-            valid = o < V
-            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-            key = _tkey(x)
-            gt = (key > b32) & valid
-            cnt += gt.to(tl.int32)
-            eqc += ((key == b32) & valid).to(tl.int32)
-            mass += tl.where(gt, tl.exp((x.to(tl.float64) - m) * t), 0.0)
-        return tl.sum(cnt, axis=0).to(tl.int64), tl.sum(mass, axis=0), tl.sum(eqc, axis=0).to(tl.int64)
-
-    @triton.jit
-    def _kept_set_kernel(
-        x_ptr, stride_x, mask_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, n_ptr, kept_ptr, z_ptr, V, BLOCK: tl.constexpr
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        xrow = x_ptr + row * stride_x
-        t = 1.0 / tl.load(t_ptr + row).to(tl.float64)  # e = exp((x - max) * t)
-        k = tl.load(k_ptr + row)  # int64, effective (V = off)
-        tp = tl.load(p_ptr + row).to(tl.float64)
-        mp = tl.load(mp_ptr + row).to(tl.float64)
-        vv = tl.load(k_ptr + row) * 0 + V  # V as int64
-        offs = tl.arange(0, BLOCK)
-
-        # pass: row max and key range
-        mx = tl.full([BLOCK], float("-inf"), tl.float32)
-        kmn = tl.full([BLOCK], 2147483647, tl.int32)
-        kmx = tl.full([BLOCK], -2147483647 - 1, tl.int32)
-        for start in range(0, V, BLOCK):
-            o = start + offs
-            valid = o < V
-            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-            key = _tkey(x)
-            mx = tl.maximum(mx, x)
-            kmn = tl.minimum(kmn, tl.where(valid, key, 2147483647))
-            kmx = tl.maximum(kmx, tl.where(valid, key, -2147483647 - 1))
-        m = tl.max(mx, axis=0).to(tl.float64)
-        kmin = tl.min(kmn, axis=0).to(tl.int64)
-        kmax = tl.max(kmx, axis=0).to(tl.int64)
-
-        # total mass (relative to exp(max / T))
-        _c0, z, _e0 = _above(xrow, V, kmin - 1, m, t, BLOCK)
-
-        # top-k: k-th largest key = smallest key with count(> key) < k
-        kth = kmin
-        zk = z
-        if k < vv:
-            kth = _search16(xrow, V, kmin, kmax, m, t, z, k, False, BLOCK)
-            ck, mk, _ek = _above(xrow, V, kth, m, t, BLOCK)
-            zk = mk + (k - ck).to(tl.float64) * tl.exp((_tval(kth).to(tl.float64) - m) * t)
-
-        # top-p on the top-k renormalised mass
-        n_p = vv
-        tpk = kmin
-        if tp < 1.0:
-            tpk = _search16(xrow, V, kth, kmax, m, t, zk, tp, True, BLOCK)
-            cp, mpass, ties = _above(xrow, V, tpk, m, t, BLOCK)
-            s = mpass / zk
-            q = tl.exp((_tval(tpk).to(tl.float64) - m) * t) / zk
-            r = tl.minimum((tp - s) / q, vv.to(tl.float64))  # q == 0 -> inf -> V
-            c = r.to(tl.int64)
-            c = tl.where(c.to(tl.float64) < r, c + 1, c)  # ceil
-            c = tl.maximum(tl.minimum(c, ties), 1)
-            n_p = cp + c
-
-        # min-p: e = p / p_max >= min_p
-        n_m = vv
-        tmk = kmin
-        if mp > 0.0:
-            cntm = tl.zeros([BLOCK], dtype=tl.int32)
-            kmm = tl.full([BLOCK], 2147483647, tl.int32)
-            for start in range(0, V, BLOCK):
-                o = start + offs
-                valid = o < V
-                x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-                key = _tkey(x)
-                ps = (tl.exp((x.to(tl.float64) - m) * t) >= mp) & valid
-                cntm += ps.to(tl.int32)
-                kmm = tl.minimum(kmm, tl.where(ps, key, 2147483647))
-            n_m = tl.sum(cntm, axis=0).to(tl.int64)
-            tmk = tl.where(n_m == 0, kmax, tl.min(kmm, axis=0).to(tl.int64))
-
-        n = tl.maximum(tl.minimum(tl.minimum(k, n_p), n_m), 1)
-        bk = tl.maximum(tl.maximum(kth, tpk), tmk)
-        bk = tl.where(n == 1, kmax, bk)
-        cb, mb, _eb = _above(xrow, V, bk, m, t, BLOCK)
-        kept = mb + (n - cb).to(tl.float64) * tl.exp((_tval(bk).to(tl.float64) - m) * t)
-        tl.store(kept_ptr + row, kept)
-        tl.store(z_ptr + row, z)
-
-        # mask: key > b, plus the first (n - cb) ids with key == b; never -inf
-        slots = (n - cb).to(tl.int32)
-        b32 = bk.to(tl.int32)
-        seen = tl.zeros([], dtype=tl.int32)
-        total = tl.zeros([], dtype=tl.int32)
-        mrow = mask_ptr + row * V
-        for start in range(0, V, BLOCK):
-            o = start + offs
-            valid = o < V
-            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-            key = _tkey(x)
-            eq = (key == b32) & valid
-            rank = seen + tl.cumsum(eq.to(tl.int32), axis=0)
-            keep = ((key > b32) | (eq & (rank <= slots))) & valid & (x > float("-inf"))
-            tl.store(mrow + o, keep.to(tl.int8), mask=valid)
-            seen += tl.sum(eq.to(tl.int32), axis=0)
-            total += tl.sum(keep.to(tl.int32), axis=0)
-        tl.store(n_ptr + row, total.to(tl.int64))
-
-
-TRITON_BLOCK = 256
-
-
-def triton_kept_set(
-    proc: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    want_logz: bool = True,
-) -> KeptSet:
-    """`threshold_kept_set` as one Triton launch (CUDA, or TRITON_INTERPRET=1 on CPU)."""
-    proc = proc.float()
-    if proc.stride(1) != 1:
-        proc = proc.contiguous()
-    r, v = proc.shape
-    dev = proc.device
-    top_k = top_k.to(device=dev, dtype=torch.int64)
-    ke = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).contiguous()
-    mask = torch.empty(r, v, dtype=torch.int8, device=dev)
-    count = torch.empty(r, dtype=torch.int64, device=dev)
-    kept = torch.empty(r, dtype=torch.float64, device=dev)
-    z = torch.empty(r, dtype=torch.float64, device=dev)
-    if r:
-        _kept_set_kernel[(r,)](
-            proc,
-            proc.stride(0),
-            mask,
-            temperature.to(device=dev, dtype=torch.float32).contiguous(),
-            ke,
-            top_p.to(device=dev, dtype=torch.float32).contiguous(),
-            min_p.to(device=dev, dtype=torch.float32).contiguous(),
-            count,
-            kept,
-            z,
-            v,
-            BLOCK=TRITON_BLOCK,
-            num_warps=8,
-        )
-    logz = torch.log(kept) - torch.log(z) if want_logz else torch.full_like(kept, math.nan)
-    return KeptSet(mask.view(torch.bool), count, logz)

@@ -151,12 +151,12 @@ class Sampler:
         # (Gumbel-max over the kept entries = a draw from the renormalised kept
         # distribution) only looks at the window.
         win = x_t = kept = None
-        fast = t_rows.numel() > 0 and kept_set_gpu.use_fast_path(
-            device, uses_top_p=bool((meta.top_p[t_rows] < 1.0).any()))  # CUDA: threshold kept set, no sort
+        fast = kept_set_gpu.uses_fast_path(device)  # CUDA: sort-free kept set as a dense mask
         if t_rows.numel() and fast:
             proc_t = take_rows(proc, t_rows)
-            kept = kept_set_gpu.fast_kept_set(
-                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows], want_mask
+            kept = kept_set_gpu.kept_set(
+                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows], want_mask,
+                uses_top_p=meta.uses_top_p,
             )
             x_t = apply_temperature(proc_t, temperature[t_rows])  # float32 [T, V]
             scores = (x_t + gumbel_noise(t_rows, v, meta.generators, device)).masked_fill_(~kept.mask, NEG_INF)

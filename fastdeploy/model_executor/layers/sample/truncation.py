@@ -44,6 +44,19 @@ class KeptWindow:
     lse: torch.Tensor
 
 
+@dataclass
+class KeptSet:
+    """Kept sets of R rows as a dense mask.
+
+    mask: bool [R, V]. count: int64 [R] (= mask.sum(1)).
+    logz: float64 [R], log of the kept mass under softmax(proc / T) (NaN if not computed).
+    """
+
+    mask: torch.Tensor
+    count: torch.Tensor
+    logz: torch.Tensor
+
+
 def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """t[rows], without the copy when ``rows`` is every row in order (rows from nonzero())."""
     return t if rows.numel() == t.shape[0] else t[rows]
