@@ -36,7 +36,7 @@ def _profile_gpu_blocks(
     rows and a sort over them standing in for the sampler's working set.
     """
     sched, bs = config.scheduler, config.cache.block_size
-    num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+    num_tokens = sched.max_num_batched_tokens
     scratch_blocks = -(-num_tokens // bs)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

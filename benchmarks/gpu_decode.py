@@ -1,0 +1,281 @@
+"""Decode step time of the GPU model runner vs the weight-streaming floor and `transformers.generate`.
+
+    python benchmarks/gpu_decode.py [--model llama3_8b] [--batches 1 16 64 256] [--prompt-len 128]
+
+Random weights of a bundled config (`--load-format dummy`), bfloat16, on one CUDA GPU:
+
+- floor: bytes of the weights one decode step reads (every parameter but the embedding
+  table, which is only gathered) over the device's copy bandwidth, measured here with a
+  large device-to-device copy (bytes read + bytes written per second);
+- fastdeploy: the median wall time of `ModelRunner.execute` for a decode step (forward,
+  logits, greedy sampler, packed frame, its host sync included), with CUDA graphs and eager;
+- transformers: `LlamaForCausalLM(config)` in bfloat16 with random weights, `generate`
+  greedy; per-token time from two runs of different lengths, so the prefill cancels;
+- prefill: tokens per second of one `max_num_batched_tokens` prefill step.
+
+Writes benchmarks/results/gpu_decode.json and .png. `--plot-only` redraws the PNG from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import machine_info, png_path, print_table, pyplot, write_json  # noqa: E402
+
+NAME = "gpu_decode"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, num_bytes: int) -> float:
+    """Bytes moved per second (read + write) by a large on-device copy; median of 20 after 5 warm-ups."""
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+    del src, dst
+    return 2 * num_bytes / statistics.median(times)
+
+
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    embed = model.model.embed_tokens.weight
+    tied = getattr(model, "lm_head", None) is None
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A tied head reads the embedding matrix as its weight: then it is streamed after all.
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[dict]]:
+    from fastdeploy.engine.args import EngineArgs
+    from fastdeploy.engine.sampling_params import SamplingParams
+    from fastdeploy.worker.model_runner import ModelRunner
+    from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
+
+    max_batch = max(args.batches)
+    engine_args = EngineArgs(model=args.model, load_format="dummy", device=args.device, max_num_seqs=max_batch,
+                             max_model_len=args.max_model_len, max_num_batched_tokens=args.prefill_tokens,
+                             guided_decoding_backend="off")
+    t0 = time.perf_counter()
+    runner = ModelRunner(engine_args.create_engine_config())
+    sync(args.device)
+    setup_s = time.perf_counter() - t0
+    bs = runner.block_size
+    blocks_per_seq = -(-args.max_model_len // bs)
+    if blocks_per_seq * max_batch > runner.num_blocks:
+        raise SystemExit(f"KV pool of {runner.num_blocks} blocks is too small for batch {max_batch}")
+    info = {
+        "weight_bytes_streamed": streamed_weight_bytes(runner.model),
+        "num_kv_blocks": runner.num_blocks,
+        "kv_cache_gib": sum(c.numel() * c.element_size() for c in runner.kv_caches) / 2**30,
+        "setup_s_load_profile_capture": setup_s,
+        "capture_sizes": runner.cuda_graphs.sizes if runner.cuda_graphs is not None else None,
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=None)
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.model_config.vocab_size
+    message = iter(range(1, 1 << 30))
+    seq_counter = iter(range(1 << 30))
+
+    def table(slot: int) -> list[int]:
+        return list(range(slot * blocks_per_seq, (slot + 1) * blocks_per_seq))
+
+    def prefill(batch: int, prompt_len: int) -> tuple[list[int], float]:
+        """New sequences in slots 0..batch-1, prefilled in steps of at most prefill_tokens."""
+        ids = [next(seq_counter) for _ in range(batch)]
+        prompts = torch.randint(vocab, (batch, prompt_len), generator=gen).tolist()
+        per_step = max(1, args.prefill_tokens // prompt_len)
+        seconds = 0.0
+        for lo in range(0, batch, per_step):
+            hi = min(batch, lo + per_step)
+            step = StepInput(next(message), [NewSequence(ids[i], prompts[i], params, False) for i in range(lo, hi)],
+                             [ChunkInput(ids[i], prompts[i], 0, table(i), True) for i in range(lo, hi)], [])
+            t = time.perf_counter()
+            runner.execute(step)
+            seconds += time.perf_counter() - t
+        return ids, seconds
+
+    def decode_times(ids: list[int], start: int, steps: int) -> list[float]:
+        times = []
+        for s in range(steps):
+            chunks = [ChunkInput(seq, [1 + (s + i) % 1000], start + s, table(i), True) for i, seq in enumerate(ids)]
+            t = time.perf_counter()
+            runner.execute(StepInput(next(message), [], chunks, []))
+            times.append(time.perf_counter() - t)
+        return times
+
+    def free(ids: list[int]) -> None:
+        runner.execute(StepInput(next(message), [], [], ids))
+
+    # Prefill throughput: one full step of fresh prompts (the first run compiles; time the second).
+    prefill_rows = []
+    for prompt_len in (args.prefill_len,):
+        batch = max(1, args.prefill_tokens // prompt_len)
+        for _ in range(2):
+            ids, seconds = prefill(batch, prompt_len)
+            free(ids)
+        prefill_rows.append({"prompt_len": prompt_len, "batch": batch, "tokens": batch * prompt_len,
+                             "seconds": seconds, "tokens_per_s": batch * prompt_len / seconds})
+
+    rows = []
+    graphs = runner.cuda_graphs
+    for batch in args.batches:
+        row = {"batch": batch, "context_len": args.prompt_len + args.warmup + args.steps}
+        for mode in ("graph", "eager") if graphs is not None else ("eager",):
+            runner.cuda_graphs = graphs if mode == "graph" else None
+            ids, _ = prefill(batch, args.prompt_len)
+            decode_times(ids, args.prompt_len, args.warmup)
+            times = decode_times(ids, args.prompt_len + args.warmup, args.steps)
+            free(ids)
+            row[f"{mode}_step_ms"] = 1e3 * statistics.median(times)
+        runner.cuda_graphs = graphs
+        rows.append(row)
+    del runner, graphs
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return info, rows, prefill_rows
+
+
+def bench_transformers(args: argparse.Namespace, batches: list[int]) -> tuple[dict[int, float], str]:
+    """Median per-token time of HF generate (ms) per batch size."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastdeploy.model_executor.model_loader import resolve_model_path
+
+    with open(resolve_model_path(args.model)) as f:
+        config = LlamaConfig(**json.load(f))
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    out = {}
+    for batch in batches:
+        ids = torch.randint(config.vocab_size, (batch, args.prompt_len), device=args.device, generator=gen)
+
+        def run(new_tokens: int) -> float:
+            sync(args.device)
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            sync(args.device)
+            return time.perf_counter() - t
+
+        run(4)  # warm-up
+        short, long = args.hf_tokens // 4, args.hf_tokens
+        t_short = statistics.median(run(short) for _ in range(2))
+        t_long = statistics.median(run(long) for _ in range(2))
+        out[batch] = 1e3 * (t_long - t_short) / (long - short)
+        print(f"transformers batch {batch}: {out[batch]:.2f} ms/token", flush=True)
+    del model
+    gc.collect()
+    return out, transformers.__version__
+
+
+def plot(payload: dict) -> str:
+    plt = pyplot()
+    rows = payload["decode"]
+    batches = [r["batch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if rows[0].get("graph_step_ms") is not None:
+        ax1.plot(batches, [r["graph_step_ms"] for r in rows], "o-", label="fastdeploy, CUDA graphs")
+    ax1.plot(batches, [r["eager_step_ms"] for r in rows], "s--", label="fastdeploy, eager")
+    if rows[0].get("hf_ms_per_token") is not None:
+        ax1.plot(batches, [r["hf_ms_per_token"] for r in rows], "^-", label="transformers.generate")
+    ax1.axhline(payload["floor_ms"], color="gray", ls=":", label="weight-streaming floor")
+    ax1.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per decode step",
+            title=f"{payload['model']} bf16, {payload['device']}")
+    ax1.legend(fontsize=8)
+    ax2.plot(batches, [r["tokens_per_s"] for r in rows], "o-", label="fastdeploy")
+    if rows[0].get("hf_tokens_per_s") is not None:
+        ax2.plot(batches, [r["hf_tokens_per_s"] for r in rows], "^-", label="transformers.generate")
+    ax2.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title="decode throughput")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    path = png_path(NAME)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3_8b", help="bundled config name or config.json path")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the same steps as a quick smoke test")
+    parser.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth-measuring copy")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128, help="context before the timed decode steps")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed decode steps per batch and mode")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch and mode")
+    parser.add_argument("--max-model-len", type=int, default=512, help="also sizes each sequence's block table")
+    parser.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the timed prefill step")
+    parser.add_argument("--prefill-len", type=int, default=512, help="prompt length in the prefill step")
+    parser.add_argument("--hf-tokens", type=int, default=32, help="new tokens of the longer generate run")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    args = parser.parse_args()
+    if args.plot_only:
+        with open(os.path.join(os.path.dirname(png_path(NAME)), f"{NAME}.json")) as f:
+            print(plot(json.load(f)))
+        return
+
+    bandwidth = copy_bandwidth(args.device, int(args.copy_gib * 2**30))
+    info, rows, prefill_rows = bench_fastdeploy(args)
+    hf, hf_version = ({}, None) if args.skip_hf else bench_transformers(args, args.batches)
+    floor_ms = 1e3 * info["weight_bytes_streamed"] / bandwidth
+    for row in rows:
+        best = row.get("graph_step_ms", row["eager_step_ms"])
+        row["floor_ms"] = floor_ms
+        row["vs_floor"] = best / floor_ms
+        row["tokens_per_s"] = 1e3 * row["batch"] / best
+        row["hf_ms_per_token"] = hf.get(row["batch"])
+        if row["hf_ms_per_token"] is not None:
+            row["hf_tokens_per_s"] = 1e3 * row["batch"] / row["hf_ms_per_token"]
+            row["speedup_vs_hf"] = row["hf_ms_per_token"] / best
+    payload = {
+        "machine": machine_info(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "model": args.model,
+        "dtype": "bfloat16",
+        "transformers_version": hf_version,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "floor_ms": floor_ms,
+        **info,
+        "settings": vars(args),
+        "decode": rows,
+        "prefill": prefill_rows,
+    }
+    print(f"# {payload['device']}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
+          f"weights streamed {info['weight_bytes_streamed'] / 1e9:.2f} GB  floor {floor_ms:.2f} ms  "
+          f"KV pool {info['num_kv_blocks']} blocks ({info['kv_cache_gib']:.1f} GiB)")
+    print_table(rows, ["batch", "context_len", "floor_ms", "graph_step_ms", "vs_floor", "eager_step_ms",
+                       "hf_ms_per_token", "speedup_vs_hf", "tokens_per_s"])
+    print_table(prefill_rows, ["prompt_len", "batch", "tokens", "seconds", "tokens_per_s"])
+    print(write_json(NAME, payload))
+    try:
+        print(plot(payload))
+    except ImportError:
+        print("matplotlib missing: run with --plot-only where it is installed")
+
+
+if __name__ == "__main__":
+    main()
