@@ -63,6 +63,7 @@ class EngineConfig:
     guided_decoding_backend: str = "xgrammar"  # xgrammar | off
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_mb: int = 512
+    reasoning_parser: str | None = None  # a fastdeploy.reasoning name, e.g. "think"
     # Speculative decoding (a fastdeploy.spec_decode.config.SpeculativeConfig); None: off.
     speculative: "SpeculativeConfig | None" = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.reasoning import reasoning_parser_names
 from fastdeploy.spec_decode.config import parse_speculative_config
 
 
@@ -30,6 +31,7 @@ class EngineArgs:
     guided_decoding_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0
     grammar_cache_mb: int = 512
+    reasoning_parser: str | None = None
     speculative_config: str | dict | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -46,6 +48,7 @@ class EngineArgs:
             guided_decoding_backend=self.guided_decoding_backend,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
             grammar_cache_mb=self.grammar_cache_mb,
+            reasoning_parser=self.reasoning_parser,
             speculative=parse_speculative_config(self.speculative_config),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -105,6 +108,10 @@ class EngineArgs:
                             help="seconds a grammar may compile before its request fails")
         parser.add_argument("--grammar-cache-mb", type=int, default=d.grammar_cache_mb,
                             help="memory for compiled grammars; an identical schema compiles once")
+        parser.add_argument("--reasoning-parser", choices=reasoning_parser_names(), default=d.reasoning_parser,
+                            help="split a reasoning model's thinking from its answer: chat returns the text "
+                                 "before the end marker (e.g. </think>) as `reasoning_content`, and "
+                                 "structured-output constraints start only after that marker")
         parser.add_argument("--speculative-config", default=d.speculative_config,
                             help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                                  '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "mtp", '

@@ -5,15 +5,33 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
 from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
 from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.reasoning import EndMarkerDetector, ReasoningParser, get_reasoning_parser
 from fastdeploy.worker.step_input import WorkerEvents
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Boot:
+    """What loads in the background on the first constrained request."""
+
+    service: GrammarCompileService
+    reasoning: ReasoningParser | None
+
+
+@dataclass
+class _Thinking:
+    """A compiled grammar waiting for its sequence's end-of-thinking marker."""
+
+    state: GuidedState
+    detector: EndMarkerDetector
 
 
 class GuidedRuntime:
@@ -25,60 +43,85 @@ class GuidedRuntime:
     """
 
     def __init__(self, model: str | None, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
-                 cache_limit_bytes: int) -> None:
+                 cache_limit_bytes: int, reasoning_parser: str | None = None) -> None:
+        """reasoning_parser: a registered name; constraints then start after its end marker."""
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._service_args = (model, vocab_size, timeout_s, cache_limit_bytes)
-        self._boot = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-boot")
-        self._service: Future[GrammarCompileService] | None = None
+        if reasoning_parser is not None:
+            get_reasoning_parser(reasoning_parser)  # an unknown name fails at start-up, not on a request
+        self._boot_args = (model, vocab_size, timeout_s, cache_limit_bytes, reasoning_parser)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-boot")
+        self._boot: Future[_Boot] | None = None
         self._unsubmitted: dict[int, GuidedSpec] = {}
+        # Grammars in force: the sampler masks these rows (the speculative path reads it too).
         self.states: dict[int, GuidedState] = {}
+        # Compiled grammars of sequences still thinking: their rows are not masked yet.
+        self._thinking: dict[int, _Thinking] = {}
 
     @staticmethod
-    def _build_service(model: str | None, vocab_size: int, timeout_s: float,
-                       cache_limit_bytes: int) -> GrammarCompileService:
+    def _build(model: str | None, vocab_size: int, timeout_s: float, cache_limit_bytes: int,
+               reasoning_parser: str | None) -> _Boot:
         from fastdeploy.model_executor.model_loader import get_tokenizer
 
+        tokenizer = get_tokenizer(model)
         # Half the cores per compile: the other half keeps decoding the unconstrained requests.
         threads = max(1, (os.cpu_count() or 2) // 2)
-        return GrammarCompileService.from_tokenizer(get_tokenizer(model), vocab_size, timeout_s=timeout_s,
-                                                    cache_limit_bytes=cache_limit_bytes, compiler_threads=threads)
+        service = GrammarCompileService.from_tokenizer(tokenizer, vocab_size, timeout_s=timeout_s,
+                                                       cache_limit_bytes=cache_limit_bytes, compiler_threads=threads)
+        reasoning = get_reasoning_parser(reasoning_parser)(tokenizer) if reasoning_parser else None
+        return _Boot(service, reasoning)
 
     def request(self, seq_id: int, spec: GuidedSpec) -> None:
-        if self._service is None:
-            self._service = self._boot.submit(self._build_service, *self._service_args)
+        if self._boot is None:
+            self._boot = self._pool.submit(self._build, *self._boot_args)
         self._unsubmitted[seq_id] = spec
 
-    def _ready_service(self) -> GrammarCompileService | None:
-        if self._service is None or not self._service.done() or self._service.exception() is not None:
+    def _booted(self) -> _Boot | None:
+        if self._boot is None or not self._boot.done() or self._boot.exception() is not None:
             return None
-        return self._service.result()
+        return self._boot.result()
 
     def free(self, seq_id: int) -> None:
         self._unsubmitted.pop(seq_id, None)
         self.states.pop(seq_id, None)
-        service = self._ready_service()
-        if service is not None:
-            service.cancel(seq_id)
+        self._thinking.pop(seq_id, None)
+        boot = self._booted()
+        if boot is not None:
+            boot.service.cancel(seq_id)
 
     def poll(self, events: WorkerEvents) -> None:
         """Start queued compiles once the service is up; record finished ones in `events`."""
-        if self._service is None or not self._service.done():
+        if self._boot is None or not self._boot.done():
             return
-        if self._service.exception() is not None:
-            message = f"structured output is unavailable: {self._service.exception()}"
+        if self._boot.exception() is not None:
+            message = f"structured output is unavailable: {self._boot.exception()}"
             events.grammar_failed.extend([seq_id, message] for seq_id in self._unsubmitted)
             self._unsubmitted.clear()
             return
-        service = self._service.result()
+        boot = self._boot.result()
         for seq_id, spec in self._unsubmitted.items():
-            service.submit(seq_id, spec)
+            boot.service.submit(seq_id, spec)
         self._unsubmitted.clear()
-        ready, failed = service.poll()
+        ready, failed = boot.service.poll()
         for seq_id, compiled in ready.items():
-            self.states[seq_id] = GuidedState(compiled, stop_token_ids=self.stop_token_ids)
+            state = GuidedState(compiled, stop_token_ids=self.stop_token_ids)
+            if boot.reasoning is None:
+                self.states[seq_id] = state
+            else:
+                self._thinking[seq_id] = _Thinking(state, boot.reasoning.end_detector())
             events.grammar_ready.append(seq_id)
         events.grammar_failed.extend([seq_id, message] for seq_id, message in failed.items())
+
+    def on_prompt(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+        """A sequence's first step: a prompt that already closed thinking puts its grammar in force.
+
+        Its grammar compiled before this (the engine schedules a constrained sequence once
+        its grammar is ready), so a thinking sequence is known here.
+        """
+        boot = self._booted()
+        if seq_id in self._thinking and boot is not None and boot.reasoning is not None \
+                and boot.reasoning.prompt_ids_close_reasoning(prompt_token_ids):
+            self.states[seq_id] = self._thinking.pop(seq_id).state
 
     def bitmask(self, seq_ids: list[int]) -> torch.Tensor | None:
         """int32 [B, ceil(V/32)] for the rows sampled this step; None when none is constrained."""
@@ -93,16 +136,38 @@ class GuidedRuntime:
             state = self.states.get(seq_id)
             n = len(run)
             if state is not None:
-                for n, token in enumerate(run, start=1):
-                    if not state.accept(token):
-                        # A sampled token outside the bitmask is a bug; it fails this request only.
-                        logger.error("grammar rejected token %d of sequence %d", token, seq_id)
-                        events.seq_errors.append(
-                            [seq_id, f"internal error: the grammar rejected sampled token {token}"])
-                        n -= 1
-                        break
-                    if state.is_terminated:
-                        events.grammar_terminated.append(seq_id)
-                        break
+                n = self._advance(seq_id, state, run, events, masked=True)
+            elif seq_id in self._thinking:
+                n = self._think(seq_id, run, events)
             counts.append(n)
         return counts
+
+    def _advance(self, seq_id: int, state: GuidedState, run: list[int], events: WorkerEvents, *,
+                 masked: bool) -> int:
+        """Feed `run` to the grammar; how many of its tokens stand."""
+        for n, token in enumerate(run):
+            if not state.accept(token):
+                if masked:
+                    # A sampled token outside the bitmask is a bug; it fails this request only.
+                    logger.error("grammar rejected token %d of sequence %d", token, seq_id)
+                    events.seq_errors.append([seq_id, f"internal error: the grammar rejected sampled token {token}"])
+                return n
+            if state.is_terminated:
+                events.grammar_terminated.append(seq_id)
+                return n + 1
+        return len(run)
+
+    def _think(self, seq_id: int, run: list[int], events: WorkerEvents) -> int:
+        """Watch a thinking sequence's tokens for the end marker; from there on its grammar holds.
+
+        With speculative decoding the marker can end inside a run: the tokens after it were
+        drawn without a mask, so the run is cut at the first one the grammar rejects (the
+        next step samples that position under the mask) instead of failing the request.
+        """
+        thinking = self._thinking[seq_id]
+        for n, token in enumerate(run, start=1):
+            if thinking.detector.feed(token):
+                del self._thinking[seq_id]
+                self.states[seq_id] = thinking.state
+                return n + self._advance(seq_id, thinking.state, run[n:], events, masked=False)
+        return len(run)

@@ -89,7 +89,7 @@ class ModelRunner:
         if config.guided_decoding_backend == "xgrammar":
             self.guided = GuidedRuntime(config.model, self.model_config.vocab_size,
                                         list(self.model_config.eos_token_ids), config.grammar_compile_timeout_s,
-                                        config.grammar_cache_mb * 1024 * 1024)
+                                        config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser)
 
     @property
     def info(self) -> WorkerInfo:
@@ -104,6 +104,8 @@ class ModelRunner:
         self.sequences[new.seq_id] = WorkerSequence(
             new.prompt_token_ids, new.params, new.return_sampling_mask, generator
         )
+        if self.guided is not None:
+            self.guided.on_prompt(new.seq_id, new.prompt_token_ids)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:

@@ -12,31 +12,44 @@ from fastdeploy.entrypoints.openai.errors import bad_request
 from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, sse, usage
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+from fastdeploy.reasoning import ReasoningParser, ReasoningSplitter, get_reasoning_parser
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt_tokens(self, request: ChatCompletionRequest) -> list[int]:
+    def __init__(self, client, tokenizer, served_model_names: list[str], metrics) -> None:
+        super().__init__(client, tokenizer, served_model_names, metrics)
+        name = client.config.reasoning_parser
+        self.reasoning: ReasoningParser | None = get_reasoning_parser(name)(tokenizer) if name else None
+
+    def _prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in request.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # template errors are the caller's messages, not ours
             raise bad_request(f"messages cannot be formatted with the chat template: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request):
         self.check_model(request.model)
         params = self.sampling_params(request)
-        prompt = self._prompt_tokens(request)
+        prompt_text, prompt = self._prompt(request)
         request_id = new_request_id("chatcmpl")
         engine_requests = self.engine_requests(request, request_id, [prompt], params, "messages")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, model, prompt, engine_requests),
+            return StreamingResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests),
                                      media_type="text/event-stream")
-        return await until_disconnected(raw_request, self._full(request, request_id, model, prompt, engine_requests))
+        return await until_disconnected(
+            raw_request, self._full(request, request_id, model, prompt_text, prompt, engine_requests))
 
-    async def _full(self, request, request_id, model, prompt, engine_requests) -> JSONResponse:
+    def _message(self, prompt_text: str, text: str) -> dict:
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = self.reasoning.split(prompt_text, text)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
+    async def _full(self, request, request_id, model, prompt_text, prompt, engine_requests) -> JSONResponse:
         choices = await self.collect_choices(engine_requests)
         body = {
             "id": request_id,
@@ -46,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": self._message(prompt_text, c.text),
                     "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -60,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = prompt
         return JSONResponse(body)
 
-    async def _stream(self, request, request_id, model, prompt, engine_requests) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, model, prompt_text, prompt, engine_requests) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[dict], **extra) -> dict:
@@ -71,11 +84,27 @@ class OpenAIServingChat(OpenAIServing):
         yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(engine_requests))], **first))
 
+        splitters: dict[int, ReasoningSplitter] = {}
+
+        def delta(event) -> dict:
+            c = event.chunk
+            if self.reasoning is None:
+                return {"content": c.text} if c.text or c.finish_reason is None else {}
+            splitter = splitters.setdefault(event.index, self.reasoning.splitter(prompt_text))
+            reasoning, content = splitter.feed(c.text)
+            if c.finish_reason is not None:
+                held, _ = splitter.finish()
+                reasoning += held
+            fields = {"reasoning_content": reasoning} if reasoning else {}
+            if content:
+                fields["content"] = content
+            return fields
+
         def format_choice(event) -> dict:
             c = event.chunk
             return {
                 "index": event.index,
-                "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                "delta": delta(event),
                 "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 **extra_fields(c, request.return_token_ids),
