@@ -27,7 +27,9 @@ class EngineCore:
         self.block_manager = BlockManager(info.num_blocks, info.block_size)
         spec = config.speculative
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
-                                   self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0)
+                                   self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
+                                   num_draft_model_slots=spec.num_speculative_tokens + 1 if spec and spec.method == "mtp"
+                                   else 0)
         self.spec_stats = SpecDecodeStats()
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,

@@ -33,10 +33,14 @@ class SchedulerStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
+                 num_draft_model_slots: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots  # draft tokens per decode step (speculative decoding)
+        # A draft model with its own K/V (MTP) also writes past the accepted tokens while
+        # drafting for the next step: this many more slots after every sampling chunk.
+        self.num_draft_model_slots = num_draft_model_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -98,6 +102,8 @@ class Scheduler:
                 budget -= chunk.num_lookahead
                 decodes.append(chunk)
             else:
+                if chunk.samples:
+                    self._reserve_lookahead(seq, target, 0)
                 prefills.append(chunk)
             scheduled_ids.add(seq.seq_id)
             budget -= num
@@ -119,24 +125,33 @@ class Scheduler:
             self.running.append(seq)
             self.block_manager.grow(seq.block_ids, seq.num_computed_tokens + num)
             chunk = _chunk(seq, num)
+            if chunk.samples:
+                self._reserve_lookahead(seq, seq.num_computed_tokens + num, 0)
             (decodes if num == 1 and chunk.samples else prefills).append(chunk)
             budget -= num
 
         return SchedulerStep(chunks=decodes + prefills, preempted=preempted)
 
     def _reserve_lookahead(self, seq: Sequence, target: int, budget: int) -> int:
-        """Draft slots for a decode: never past max_tokens or the context length, and only
-        from free blocks and budget; drafts are an optimisation, never a reason to preempt."""
-        if not self.num_lookahead_slots:
+        """Reserve slots after a sampling chunk that holds `target` tokens; return the drafts allowed.
+
+        Drafts never go past max_tokens or the context length and only use free blocks and
+        budget: they are an optimisation, never a reason to preempt.
+        """
+        if not (self.num_lookahead_slots or self.num_draft_model_slots):
             return 0
         # m accepted tokens (drafts + 1) must fit: num_tokens + m <= limit.
         room = self.config.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         lookahead = max(0, min(self.num_lookahead_slots, room, budget))
-        while lookahead and not self.block_manager.can_grow(seq.block_ids, target + lookahead):
-            lookahead -= 1
-        self.block_manager.grow(seq.block_ids, target + lookahead)
+        extra = max(0, min(self.num_draft_model_slots, self.config.max_model_len - target - lookahead))
+        while lookahead + extra and not self.block_manager.can_grow(seq.block_ids, target + lookahead + extra):
+            if extra:
+                extra -= 1
+            else:
+                lookahead -= 1
+        self.block_manager.grow(seq.block_ids, target + lookahead + extra)
         return lookahead
 
     def on_step_done(self, step: SchedulerStep) -> None:

@@ -20,6 +20,8 @@ from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, S
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
+from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
+from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.spec_decode.verification import accepted_counts
@@ -43,6 +45,7 @@ class WorkerSequence:
     return_sampling_mask: bool
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    pending_drafts: list[int] = field(default_factory=list)  # MTP: drafted after the last step
 
 
 @dataclass
@@ -84,6 +87,14 @@ class ModelRunner:
         spec = config.speculative
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
             if spec is not None and spec.method == "ngram" else None
+        self.mtp: MTPProposer | None = None
+        if spec is not None and spec.method == "mtp":
+            head = load_mtp_head(spec.model or shipped_mtp_head(config.model), self.model_config, self.dtype,
+                                 self.device)
+            one_layer = dataclasses.replace(self.model_config, num_hidden_layers=1)
+            mtp_cache = allocate_kv_caches(one_layer, self.num_blocks + 1, self.block_size, self.dtype, self.device)[0]
+            self.mtp = MTPProposer(head, self.model, spec.num_speculative_tokens, mtp_cache, self.block_size,
+                                   self._prepare_inputs)
         self.sequences: dict[int, WorkerSequence] = {}
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend == "xgrammar":
@@ -153,6 +164,8 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
         if not sampled_chunks:
+            if self.mtp is not None:
+                self._mtp_step(chunks, hidden, {}, drafts)
             return pack_step_frame(_empty_frame(step.message_id)), events
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float()
         states = [self.sequences[seq_id] for seq_id in seq_ids]
@@ -175,20 +188,52 @@ class ModelRunner:
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, slot_drafts) if d)
         accepted_rows = [start + j for start, n in zip(slot_starts, counts) for j in range(n)]
         frame = _frame_from_output(step.message_id, seq_ids, counts, accepted_rows, output)
+        if self.mtp is not None:
+            self._mtp_step(chunks, hidden, dict(zip(seq_ids, counts)), drafts)
         return pack_step_frame(frame), events
+
+    def _mtp_step(self, chunks: list[ChunkInput], hidden: torch.Tensor, accepted: dict[int, int],
+                  drafts: dict[int, list[int]]) -> None:
+        """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts for the next step."""
+        work = []
+        offset = 0  # flat index of the chunk's first token in `hidden`
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            start = chunk.start
+            # Positions start .. start+valid-1 hold hidden states of tokens that stand.
+            valid = n - len(drafts.get(chunk.seq_id, ())) - 1 + accepted.get(chunk.seq_id, 0) if chunk.sample else n
+            if valid > 0:
+                state = self.sequences[chunk.seq_id]
+                known = state.prompt_token_ids + state.output_token_ids
+                first = 0 if start == 0 else start + 1
+                newest = start + valid
+                last = min(newest, len(chunk.block_ids) * self.block_size - 1)  # only reserved slots
+                work.append(MTPWork(
+                    chunk.seq_id, first, known[first:last + 1],
+                    [-1 if j == 0 else offset + j - 1 - start for j in range(first, last + 1)],
+                    chunk.block_ids, chunk.sample and last == newest))
+            offset += n
+        new_drafts = self.mtp.propose(work, hidden)
+        for chunk in chunks:
+            if chunk.sample:
+                self.sequences[chunk.seq_id].pending_drafts = new_drafts.get(chunk.seq_id, [])
 
     def _propose_drafts(self, chunks: list[ChunkInput]) -> dict[int, list[int]]:
         """Draft tokens per decoding sequence that has lookahead slots reserved (non-empty only)."""
-        if self.proposer is None:
-            return {}
         drafts = {}
         for chunk in chunks:
-            if chunk.num_lookahead > 0:
-                state = self.sequences[chunk.seq_id]
+            if chunk.num_lookahead <= 0:
+                continue
+            state = self.sequences[chunk.seq_id]
+            if self.mtp is not None:
+                draft = state.pending_drafts[: chunk.num_lookahead]
+            elif self.proposer is not None:
                 context = np.array(state.prompt_token_ids + state.output_token_ids, dtype=np.int64)
                 draft = self.proposer.propose(context, chunk.num_lookahead)
-                if draft:
-                    drafts[chunk.seq_id] = draft
+            else:
+                draft = []
+            if draft:
+                drafts[chunk.seq_id] = list(draft)
         return drafts
 
     def _prepare_inputs(
