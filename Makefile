@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: install serve test bench clean
 
-$(STAMP): requirements.txt requirements-test.txt requirements-paddle.txt setup.py
+$(STAMP): requirements.txt requirements-test.txt requirements-paddle.txt setup.py $(wildcard custom_ops/*)
 	python3 -m venv $(VENV)
 	# A plain `torch` requirement pulls a multi-GB CUDA build: take the CPU build unless a GPU is present.
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
