@@ -28,8 +28,6 @@ CUSTOM_OPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os
                               "custom_ops")
 _SOURCES = {"_step_packer_cpu": "step_packer.cpp", "_step_packer_cuda": "step_packer_cuda.cu"}
 _lock = threading.Lock()
-# Frames arrive as immutable bytes; the unpacker only makes read views of them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 @functools.cache
@@ -85,7 +83,12 @@ def _as_uint8(buf: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tenso
     view = memoryview(buf)
     if view.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(view, dtype=torch.uint8)
+    if not view.readonly:
+        return torch.frombuffer(view, dtype=torch.uint8)
+    # Frames arrive as immutable bytes; the unpacker only makes read views of them.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def unpack_step_frame_op(buf: bytes | bytearray | memoryview | torch.Tensor) -> StepFrame:

@@ -72,8 +72,9 @@ def gather_step_slots(slots: StepSlots) -> StepFrame:
         width = slots.num_logprobs + 1
         if slots.lp_ids.shape[2] < width:
             raise ValueError(f"lp_ids has {slots.lp_ids.shape[2] - 1} top-k columns, fewer than k = {slots.num_logprobs}")
-        frame.lp_ids = _numpy(slots.lp_ids).reshape(batch * num_slots, -1)[rows, :width]
-        frame.lp_values = _numpy(slots.lp_values).reshape(batch * num_slots, -1)[rows, :width]
+        lp_shape = (batch * num_slots, slots.lp_ids.shape[2])
+        frame.lp_ids = _numpy(slots.lp_ids).reshape(lp_shape)[rows, :width]
+        frame.lp_values = _numpy(slots.lp_values).reshape(lp_shape)[rows, :width]
         frame.ranks = _numpy(slots.ranks).reshape(batch * num_slots)[rows]
     if slots.has_mask:
         if slots.mask_ids is None or slots.logz is None:
