@@ -255,13 +255,19 @@ def test_gpu_masks_identical_to_cpu_reference(b, v):
         x, t, k, p, mp = _grid_rows(rng, b, v, config)
         got = ksg.kept_set(x.cuda(), t.cuda(), k.cuda(), p.cuda(), mp.cuda())
         want = kept_set_full_sort(x, t, k, p, mp)
-        if config is None:  # random rows include exact ties: the per-row reference says where
-            _check_rows(x, t, k, p, mp, got)
-            continue
         differ = (got.mask.cpu() != want.mask).any(dim=1).nonzero().squeeze(1).tolist()
-        assert not differ, f"{name}: rows {differ[:10]} differ"
-        assert torch.equal(got.count.cpu(), want.count)
-        err = float((got.logz.cpu() - want.logz).abs().max())
+        if config is None:  # random rows include exact ties: the per-row reference says which are allowed
+            for r in differ:
+                ref = reference_kept_set(x[r].numpy(), float(t[r]), int(k[r]), float(p[r]), float(mp[r]))
+                diff = set((got.mask[r].cpu() ^ want.mask[r]).nonzero().squeeze(1).tolist())
+                assert diff <= ref.ambiguous, f"{name}: row {r} differs outside ties: {sorted(diff)[:10]}"
+        else:
+            assert not differ, f"{name}: rows {differ[:10]} differ"
+        same = torch.ones(b, dtype=torch.bool)
+        same[differ] = False
+        assert torch.equal(got.count.cpu()[same], want.count[same])
+        finite = same & torch.isfinite(want.logz)
+        err = float((got.logz.cpu()[finite] - want.logz[finite]).abs().max()) if bool(finite.any()) else 0.0
         assert err <= LOGZ_TOL, f"{name}: logz error {err}"
         worst = max(worst, err)
     print(f"\nKEPT_SET_GPU b={b} v={v} identical masks, max_logz_err={worst:.3e}")
