@@ -35,7 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,15 +43,15 @@ import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
-from fastdeploy.ops.step_packer import (  # noqa: E402
+from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
+from fastdeploy.ops.step_packer import (
     load_ops,
     pack_step_slots,
     pack_step_slots_staged,
     unpack_step_frame_op,
 )
-from fastdeploy.output.step_frame import split_by_sequence, unpack_step_frame  # noqa: E402
-from fastdeploy.output.step_slots import StepSlots, pack_step_slots_reference  # noqa: E402
+from fastdeploy.output.step_frame import split_by_sequence, unpack_step_frame
+from fastdeploy.output.step_slots import StepSlots, pack_step_slots_reference
 
 SLOTS = 5
 FIXED_TOP_K = 20
@@ -142,8 +142,8 @@ def measure(name: str, pack: Callable[[], bytes], unpack: Callable[[bytes], obje
     size = 0
     for i in range(reps + 3):
         t_pack, buf = timed(pack, sync)
-        t_hop, received = timed(lambda: socket.hop(buf), sync)
-        t_unpack, _ = timed(lambda: unpack(received), sync)
+        t_hop, received = timed(lambda b=buf: socket.hop(b), sync)
+        t_unpack, _ = timed(lambda b=received: unpack(b), sync)
         size = len(received)
         if i >= 3:  # warm-up: op load, allocator pools, socket buffers
             pack_ms.append(t_pack)
@@ -166,7 +166,8 @@ def matmul_floor_ms(batch: int, config_path: str, reps: int = 10) -> float:
     # One layer's weights reused for every layer: 0.4 GB, far past the L2 cache, so each
     # product still streams its weights from memory.
     w_qkv, w_o = torch.randn(qkv, hidden, device=dev, dtype=dt), torch.randn(hidden, hidden, device=dev, dtype=dt)
-    w_up, w_down = torch.randn(2 * inter, hidden, device=dev, dtype=dt), torch.randn(hidden, inter, device=dev, dtype=dt)
+    w_up = torch.randn(2 * inter, hidden, device=dev, dtype=dt)
+    w_down = torch.randn(hidden, inter, device=dev, dtype=dt)
     w_head = torch.randn(cfg["vocab_size"], hidden, device=dev, dtype=dt)
     x = torch.randn(batch * SLOTS, hidden, device=dev, dtype=dt)
     linear = torch.nn.functional.linear
@@ -203,14 +204,14 @@ def run(device: str, reps: int) -> list[dict]:
                 packed = make_step(batch, k, top_k=k, device=device)  # the sampler gathers k + 1 columns
                 fixed = make_step(batch, k, top_k=FIXED_TOP_K, device=device)
                 paths = [
-                    ("packed", lambda: pack_step_slots(packed),
+                    ("packed", lambda s=packed: pack_step_slots(s),
                      lambda b: split_by_sequence(unpack_step_frame_op(b))),
-                    ("reference", lambda: pack_step_slots_reference(packed),
+                    ("reference", lambda s=packed: pack_step_slots_reference(s),
                      lambda b: split_by_sequence(unpack_step_frame(b))),
-                    ("fixed", lambda: fixed_pack(fixed), lambda b, B=batch, k=k: fixed_unpack(b, B, k)),
+                    ("fixed", lambda s=fixed: fixed_pack(s), lambda b, B=batch, k=k: fixed_unpack(b, B, k)),
                 ]
                 if device == "cuda":
-                    paths.insert(1, ("packed staged", lambda: pack_step_slots_staged(packed).numpy().tobytes(),
+                    paths.insert(1, ("packed staged", lambda s=packed: pack_step_slots_staged(s).numpy().tobytes(),
                                      lambda b: split_by_sequence(unpack_step_frame_op(b))))
                 accepted = int(packed.accept_counts.sum())
                 for name, pack, unpack in paths:

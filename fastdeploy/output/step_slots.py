@@ -71,7 +71,8 @@ def gather_step_slots(slots: StepSlots) -> StepFrame:
             raise ValueError("num_logprobs >= 0 needs lp_ids, lp_values and ranks")
         width = slots.num_logprobs + 1
         if slots.lp_ids.shape[2] < width:
-            raise ValueError(f"lp_ids has {slots.lp_ids.shape[2] - 1} top-k columns, fewer than k = {slots.num_logprobs}")
+            columns = slots.lp_ids.shape[2] - 1
+            raise ValueError(f"lp_ids has {columns} top-k columns, fewer than k = {slots.num_logprobs}")
         lp_shape = (batch * num_slots, slots.lp_ids.shape[2])
         frame.lp_ids = _numpy(slots.lp_ids).reshape(lp_shape)[rows, :width]
         frame.lp_values = _numpy(slots.lp_values).reshape(lp_shape)[rows, :width]

@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from fastdeploy.ops.step_packer import pack_step_slots, pack_step_slots_staged, pack_step_slots_tensor, unpack_step_frame_op
+from fastdeploy.ops.step_packer import (
+    pack_step_slots,
+    pack_step_slots_staged,
+    pack_step_slots_tensor,
+    unpack_step_frame_op,
+)
 from fastdeploy.output.step_frame import StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.output.step_slots import StepSlots, gather_step_slots, pack_step_slots_reference
 
