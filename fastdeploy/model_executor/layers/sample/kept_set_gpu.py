@@ -433,8 +433,10 @@ def _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz: bool) 
     win = kept_window(proc, temperature, top_k, top_p, min_p, want_lse=want)
     mask = torch.zeros(r, v, dtype=torch.bool, device=proc.device)
     keep = win.keep & (win.x > -math.inf)
-    if win.idx.numel():
-        mask.scatter_(1, win.idx, keep)
+    # Index only the kept entries: a row's padding repeats id 0, which a scatter of
+    # False could write over a kept id 0.
+    rows = torch.arange(r, device=proc.device).unsqueeze(1).expand_as(keep)
+    mask[rows[keep], win.idx[keep]] = True
     if want_logz:
         logz = kept_logz(win)
     else:
