@@ -19,7 +19,9 @@ from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadat
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, SamplerOutput
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.model_executor.model_loader import get_model
+from fastdeploy.ops import pack_step_slots
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
+from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
@@ -186,11 +188,11 @@ class ModelRunner:
             events.num_verified_sequences = len(drafts)
             events.num_draft_tokens = sum(len(d) for d in slot_drafts)
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, slot_drafts) if d)
-        accepted_rows = [start + j for start, n in zip(slot_starts, counts) for j in range(n)]
-        frame = _frame_from_output(step.message_id, seq_ids, counts, accepted_rows, output)
+        frame = pack_step_slots(_step_slots(step.message_id, seq_ids, counts, [len(d) + 1 for d in slot_drafts],
+                                            output))
         if self.mtp is not None:
             self._mtp_step(chunks, hidden, dict(zip(seq_ids, counts)), drafts)
-        return pack_step_frame(frame), events
+        return frame, events
 
     def _mtp_step(self, chunks: list[ChunkInput], hidden: torch.Tensor, accepted: dict[int, int],
                   drafts: dict[int, list[int]]) -> None:
@@ -352,33 +354,31 @@ def _slot_states(states: list[WorkerSequence], drafts: list[list[int]]) -> list[
     return rows
 
 
-def _frame_from_output(message_id: int, seq_ids: list[int], counts: list[int], rows: list[int],
-                       out: SamplerOutput) -> StepFrame:
-    """The accepted slots (`rows` of the sampler output, sequence after sequence) as a frame."""
-    index = torch.tensor(rows, dtype=torch.long, device=out.sampled_token_ids.device)
-    frame = StepFrame(
+def _step_slots(message_id: int, seq_ids: list[int], counts: list[int], slot_counts: list[int],
+                out: SamplerOutput) -> StepSlots:
+    """The sampler's rows (each sequence's verified slots, one after another) as the [B, S] slot
+    layout the packer op reads; slots a sequence did not verify are padding and never accepted."""
+    device = out.sampled_token_ids.device
+    width = max(slot_counts)
+    starts = list(itertools.accumulate(slot_counts, initial=0))[:-1]
+    index = [[start + j if j < n else -1 for j in range(width)] for start, n in zip(starts, slot_counts)]
+    index = torch.tensor(index, dtype=torch.long, device=device)
+    valid = index >= 0
+    rows = index.clamp(min=0)
+    slots = StepSlots(
         message_id=message_id,
-        seq_ids=np.array(seq_ids, dtype=np.int64),
-        num_tokens=np.array(counts, dtype=np.int32),
-        token_ids=out.sampled_token_ids[index].cpu().numpy(),
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device=device),
+        accept_counts=torch.tensor(counts, dtype=torch.int32, device=device),
+        token_ids=out.sampled_token_ids[rows],
+        num_logprobs=-1 if out.logprobs is None else out.logprobs.shape[1] - 1,
     )
     if out.logprobs is not None:
-        frame.lp_ids = out.logprob_token_ids[index].cpu().numpy()
-        frame.lp_values = out.logprobs[index].cpu().numpy()
-        frame.ranks = out.sampled_token_ranks[index].cpu().numpy()
+        slots.lp_ids, slots.lp_values, slots.ranks = out.logprob_token_ids[rows], out.logprobs[rows], \
+            out.sampled_token_ranks[rows]
     if out.mask_offsets is not None:
-        offsets = out.mask_offsets.cpu().numpy()
-        starts, ends = offsets[rows], offsets[np.array(rows, dtype=np.int64) + 1]
-        frame.mask_offsets, gather = csr_rows(starts, ends)
-        frame.mask_ids = out.mask_ids.cpu().numpy()[gather]
-        frame.logz = out.logz[index].cpu().numpy()
-    return frame
-
-
-def csr_rows(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """New int32 offsets for CSR rows [starts, ends), and the flat indices that gather their entries."""
-    lengths = (ends - starts).astype(np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    gather = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
-    return offsets.astype(np.int32), gather
+        # Padding slots get empty CSR rows; real rows keep their order, so mask_ids stay as they are.
+        lengths = (out.mask_offsets[1:] - out.mask_offsets[:-1])[rows].masked_fill(~valid, 0)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
+        offsets[1:] = lengths.flatten().cumsum(0)
+        slots.mask_offsets, slots.mask_ids, slots.logz = offsets, out.mask_ids, out.logz[rows]
+    return slots
