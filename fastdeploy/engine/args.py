@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.reasoning import reasoning_parser_names
-from fastdeploy.spec_decode.config import parse_speculative_config
+from fastdeploy.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass
@@ -32,7 +32,7 @@ class EngineArgs:
     grammar_compile_timeout: float = 30.0
     grammar_cache_mb: int = 512
     reasoning_parser: str | None = None
-    speculative_config: str | dict | None = None
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -112,7 +112,7 @@ class EngineArgs:
                             help="split a reasoning model's thinking from its answer: chat returns the text "
                                  "before the end marker (e.g. </think>) as `reasoning_content`, and "
                                  "structured-output constraints start only after that marker")
-        parser.add_argument("--speculative-config", default=d.speculative_config,
+        parser.add_argument("--speculative-config", default=d.speculative_config, type=_speculative_config_arg,
                             help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                                  '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "mtp", '
                                  '"num_speculative_tokens": 2}\' (MTP head: "model": DIR; default: the head shipped '
@@ -122,3 +122,11 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _speculative_config_arg(text: str) -> SpeculativeConfig | None:
+    """Checked while parsing, so a bad config is a usage error naming the problem, not a traceback."""
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

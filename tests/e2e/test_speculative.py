@@ -1,0 +1,58 @@
+"""Speculative decoding through the real server and the `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.e2e.server import RunningServer
+
+API_KEY = "spec-key"
+RECORD = '{"name": "Alice Smith", "age": 30, "city": "Paris", "tags": ["admin", "editor"], "active": true}'
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    srv = RunningServer("--max-num-seqs", "8", "--max-model-len", "1024", "--enable-keep-sampling-mask",
+                        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
+                        api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(spec_server, client):
+    spec_client = openai.OpenAI(base_url=f"{spec_server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    messages = [{"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=48, logprobs=True,
+                  top_logprobs=2)
+    whole = spec_client.chat.completions.create(**kwargs)
+    # The plain server (no speculation) gives the same greedy text and logprobs.
+    plain = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].message.content == plain.choices[0].message.content
+    for a, b in zip(whole.choices[0].logprobs.content, plain.choices[0].logprobs.content):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+    # Streamed: several tokens may arrive in one chunk; the masks stay aligned with the tokens.
+    text, entries, masks = "", 0, 0
+    for chunk in spec_client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        if choice.logprobs is not None:
+            entries += len(choice.logprobs.content)
+        extra = choice.model_extra or {}
+        masks += len(extra.get("sampling_mask") or [])
+    assert text == whole.choices[0].message.content
+    assert entries == masks == whole.usage.completion_tokens
+
+    metrics = spec_server.metrics()
+    assert metrics["fastdeploy_spec_decode_num_draft_tokens_total"] > 0
+    assert metrics["fastdeploy_spec_decode_num_accepted_tokens_total"] > 0
+    assert 0 < metrics["fastdeploy_spec_decode_draft_acceptance_rate"] <= 1
+    assert metrics["fastdeploy_spec_decode_mean_accepted_length"] > 1
+
+
+def test_invalid_speculative_config_fails_at_start():
+    with pytest.raises(RuntimeError):
+        RunningServer("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}')
