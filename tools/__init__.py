@@ -1,0 +1,1 @@
+"""Offline tools that build artefacts the package ships (e.g. the MTP draft head)."""

@@ -1,0 +1,245 @@
+"""Train the MTP draft head for a target model by self-distillation.
+
+    python tools/train_mtp.py --device cuda            # the embedded SmolLM2-135M-Instruct, ~3 min on an H100
+    python tools/train_mtp.py --device cpu --num-prompts 16 --max-tokens 32 --steps 20 --out /tmp/head
+
+1. Data: chat prompts built from templates (`tools/mtp_prompts.py`), answered by the target
+   itself through the fastdeploy engine, once greedy and once at temperature 0.7.
+2. Targets: the frozen model's hidden states (after the final norm) at every position,
+   from a dense causal forward of the engine's own weights (`tools/dense_llama.py`).
+3. Head: pair j = (hidden j-1, embedding of token j) → distribution of token j+1, i.e. token
+   t+2 from hidden t. Loss: forward KL from the target's own next-token distribution at j
+   to the head's, over the generated positions. KL rather than cross-entropy on the sampled
+   tokens: it carries the whole distribution (more signal per token, no sampling noise in the
+   labels), and acceptance at temperature T is the overlap of exactly these two distributions.
+   The embedding, final norm and output head are the target's, shared and frozen; the head's
+   decoder block starts as a copy of the target's last block.
+
+Writes `config.json` + `model.safetensors` (bf16) to `--out` via `save_mtp_head` (default: the
+head shipped in the package), and the loss curve (PNG) with its log (JSON) to `--plot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from fastdeploy import LLM, SamplingParams  # noqa: E402
+from fastdeploy.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
+from fastdeploy.model_executor.models.mtp import (  # noqa: E402
+    EMBEDDED_HEAD, SHIPPED_HEADS, MTPHead, mtp_config, save_mtp_head,
+)
+from tools.dense_llama import dense_hidden_states  # noqa: E402
+from tools.mtp_prompts import as_chat, training_prompts  # noqa: E402
+
+
+@dataclass
+class Sequence:
+    token_ids: list[int]  # prompt (chat template applied) + the target's continuation
+    prompt_len: int
+
+
+def generate_sequences(llm: LLM, prompts: list[str], max_tokens: int, temperatures: list[float],
+                       seed: int) -> list[Sequence]:
+    """The target's own answers to every prompt at every temperature (0: greedy)."""
+    chats = as_chat(prompts)
+    params = [SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed + i)
+              for t in temperatures for i in range(len(chats))]
+    outputs = llm.chat(chats * len(temperatures), params, use_tqdm=True)
+    return [Sequence(o.prompt_token_ids + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
+            for o in outputs if o.outputs[0].token_ids]
+
+
+def batches(seqs: list[Sequence], max_batch_tokens: int, rng: random.Random) -> list[list[Sequence]]:
+    """Length-sorted batches of at most `max_batch_tokens` padded tokens, in random order."""
+    ordered = sorted(seqs, key=lambda s: len(s.token_ids))
+    out: list[list[Sequence]] = []
+    current: list[Sequence] = []
+    for s in ordered:
+        if current and len(s.token_ids) * (len(current) + 1) > max_batch_tokens:
+            out.append(current)
+            current = []
+        current.append(s)
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def _pad(batch: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, L] (right-padded with 0) and the loss mask [B, L] over pairs j.
+
+    Pair j counts where it predicts a generated token the target decided: j from the first
+    generated position (the first pair the server drafts from) to the second-to-last token.
+    """
+    length = max(len(s.token_ids) for s in batch)
+    ids = torch.zeros(len(batch), length, dtype=torch.long)
+    mask = torch.zeros(len(batch), length, dtype=torch.bool)
+    for i, s in enumerate(batch):
+        ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids)
+        mask[i, s.prompt_len:len(s.token_ids) - 1] = True
+    return ids.to(device), mask.to(device)
+
+
+def distill_loss(head: MTPHead, target: LlamaForCausalLM, ids: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean KL(target || head) over the masked pairs, and the head's greedy agreement there."""
+    hidden = dense_hidden_states(target, ids)  # [B, L, H]: hidden j predicts token j+1
+    prev = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # pair j gets hidden j-1
+    out = head.forward_dense(target.model.embed_tokens(ids), prev, target.model.norm)
+    student = F.log_softmax(target.compute_logits(out[mask]), dim=-1)
+    with torch.no_grad():
+        teacher = F.log_softmax(target.compute_logits(hidden[mask]), dim=-1)
+    loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return loss, agree
+
+
+def init_head(target: LlamaForCausalLM, intermediate_size: int | None) -> MTPHead:
+    """A head whose decoder block copies the target's last one (a better start than random)."""
+    config = mtp_config(target.config, intermediate_size)
+    head = MTPHead(config)
+    last = target.model.layers[-1].state_dict()
+    if config.intermediate_size == target.config.intermediate_size:
+        head.layer.load_state_dict(last)
+    else:  # a narrower MLP: copy attention and norms, keep the MLP's fresh init
+        head.layer.load_state_dict({k: v for k, v in last.items() if ".mlp." not in f".{k}"}, strict=False)
+    return head
+
+
+def train(head: MTPHead, target: LlamaForCausalLM, seqs: list[Sequence], steps: int, lr: float,
+          max_batch_tokens: int, seed: int, max_seconds: float = math.inf) -> list[dict[str, float]]:
+    """AdamW over length-bucketed batches; stops early once `max_seconds` have passed."""
+    device = next(target.parameters()).device
+    head.to(device=device, dtype=torch.float32).train()
+    optim = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:  # linear warm-up, cosine decay to a tenth
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_at)
+    rng = random.Random(seed)
+    pending: list[list[Sequence]] = []
+    log = []
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    deadline = time.perf_counter() + max_seconds
+    for step in (bar := tqdm(range(steps), desc="training", unit="step")):
+        if not pending:
+            pending = batches(seqs, max_batch_tokens, rng)
+        ids, mask = _pad(pending.pop(), device)
+        with autocast:
+            loss, agree = distill_loss(head, target, ids, mask)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        entry = {"step": step, "kl": loss.item(), "top1_agree": agree.item(), "tokens": int(mask.sum())}
+        log.append(entry)
+        bar.set_postfix(kl=f"{entry['kl']:.3f}", agree=f"{entry['top1_agree']:.3f}")
+        if time.perf_counter() > deadline:
+            break
+    return log
+
+
+def plot_loss(log: list[dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in log]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [e["kl"] for e in log], color="tab:blue", label="KL(target || head)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL (nats / token)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [e["top1_agree"] for e in log], color="tab:orange", label="top-1 agreement")
+    ax2.set_ylabel("top-1 agreement with the target", color="tab:orange")
+    ax.set_title("MTP head self-distillation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-prompts", type=int, default=3072, help="templated prompts, each answered twice")
+    p.add_argument("--max-tokens", type=int, default=256, help="longest continuation generated per prompt")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--max-num-seqs", type=int, default=256, help="engine batch while generating")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per training step")
+    p.add_argument("--max-train-seconds", type=float, default=math.inf, help="stop training early after this")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="engine KV blocks while generating (default on CUDA: 8192, leaving memory for training)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: target's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(SHIPPED_HEADS, EMBEDDED_HEAD), help="checkpoint directory")
+    p.add_argument("--plot", default=None,
+                   help="loss curve PNG; its .json twin holds the log (default: benchmarks/results/mtp_train_loss.png)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    # On CUDA the engine would otherwise size its KV pool from all free memory, leaving none to train in.
+    blocks = args.num_kv_blocks or (8192 if args.device.startswith("cuda") else None)
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, guided_decoding_backend="off",
+              num_kv_blocks=blocks)
+    target: LlamaForCausalLM = llm.engine.executor.runner.model
+    prompts = training_prompts(args.num_prompts, args.seed)
+    seqs = generate_sequences(llm, prompts, args.max_tokens, args.temperatures, args.seed)
+    generated_s = time.perf_counter() - started
+    num_tokens = sum(len(s.token_ids) for s in seqs)
+    print(f"{len(seqs)} sequences, {num_tokens} tokens "
+          f"({sum(len(s.token_ids) - s.prompt_len for s in seqs)} generated) in {generated_s:.1f} s")
+
+    head = init_head(target, args.intermediate_size)
+    log = train(head, target, seqs, args.steps, args.lr, args.batch_tokens, args.seed, args.max_train_seconds)
+    trained_s = time.perf_counter() - started - generated_s
+    save_mtp_head(head, args.out, dtype=torch.bfloat16)
+
+    plot = args.plot or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     "benchmarks", "results", "mtp_train_loss.png")
+    os.makedirs(os.path.dirname(plot), exist_ok=True)
+    plot_loss(log, plot)
+    tail = log[-max(1, len(log) // 10):]
+    summary = {
+        "target": args.model or "embedded SmolLM2-135M-Instruct", "device": args.device,
+        "sequences": len(seqs), "tokens": num_tokens, "prompts": args.num_prompts,
+        "temperatures": args.temperatures, "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr,
+        "batch_tokens": args.batch_tokens, "intermediate_size": head.config.intermediate_size,
+        "generate_s": round(generated_s, 1), "train_s": round(trained_s, 1),
+        "final_kl": sum(e["kl"] for e in tail) / len(tail),
+        "final_top1_agree": sum(e["top1_agree"] for e in tail) / len(tail),
+        "log": log,
+    }
+    with open(os.path.splitext(plot)[0] + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"saved {args.out}; loss curve {plot}; generate {generated_s:.0f} s, train {trained_s:.0f} s, "
+          f"final KL {summary['final_kl']:.3f}, top-1 agreement {summary['final_top1_agree']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
