@@ -3,6 +3,7 @@
     python benchmarks/guided.py [--batch-sizes 1 16 64] [--max-tokens 64] [--schemas 0]
     python benchmarks/guided.py --model DIR/config.json --load-format dummy --device cuda \
         --dtype bfloat16 --schemas -1 --name guided_gpu
+    python benchmarks/guided.py --batch-sizes --validity-max-tokens 256 --name guided_validity
 
 1. Throughput: the same chat prompts decoded greedily with and without a JSON-schema
    constraint, compared as tokens per second. Unconstrained rows ignore EOS and run to
@@ -153,7 +154,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 16, 64],
+                        help="none: skip throughput and mask time")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--schemas", type=int, default=0, help="0: all shared schemas; -1: skip validity")
     parser.add_argument("--validity-max-tokens", type=int, default=512)
@@ -162,7 +164,7 @@ def main() -> None:
     info = machine_info()
     print_machine(info)
     llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-              max_num_seqs=max(*args.batch_sizes, 64), max_model_len=1024)
+              max_num_seqs=max([*args.batch_sizes, 64]), max_model_len=1024)
     rows = throughput(llm, args.batch_sizes, args.max_tokens)
     print_table(rows, ["batch", "mode", "tokens", "seconds", "tok_s", "vs_unconstrained"])
     masks = mask_time(llm, args.batch_sizes)
@@ -175,7 +177,9 @@ def main() -> None:
     print(write_json(args.name, {"benchmark": "guided", "machine": info, "args": vars(args), "throughput": rows,
                                  "mask_time": masks, "validity": counts}))
     where = "CPU" if args.device == "cpu" else args.device
-    print(plot(rows, f"Constrained vs unconstrained decode ({args.model or 'embedded model'}, {where})", args.name))
+    if rows:
+        print(plot(rows, f"Constrained vs unconstrained decode ({args.model or 'embedded model'}, {where})",
+                   args.name))
 
 
 if __name__ == "__main__":
