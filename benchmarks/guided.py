@@ -41,7 +41,8 @@ from fastdeploy.model_executor.guided_decoding import (  # noqa: E402
     fill_bitmasks,
     tokenizer_info_from_hf,
 )
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec  # noqa: E402
+from fastdeploy.engine.errors import ParameterError  # noqa: E402
+from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec, validate_guided_spec  # noqa: E402
 
 JSB = Path(__file__).resolve().parents[2] / "shared" / "eval" / "jsonschemabench"
 PERSON = {"type": "object",
@@ -105,15 +106,26 @@ def validity(llm: LLM, num_schemas: int, max_tokens: int) -> dict:
 
     files = sorted(JSB.glob("*.json"))
     files = files[:num_schemas] if num_schemas > 0 else files
-    schemas = [json.loads(f.read_text())["schema"] for f in files]
+    counts = {"schemas": len(files), "max_tokens": max_tokens, "refused": 0, "finished_valid": 0,
+              "finished_invalid": 0, "length": 0, "error": 0, "seconds": 0.0, "refusals": [], "invalid": [],
+              "errors": []}
+    # A schema the server would answer with a 400 (xgrammar cannot build it) is counted, not sent.
+    kept = []
+    for f in files:
+        schema = json.loads(f.read_text())["schema"]
+        try:
+            validate_guided_spec(GuidedSpec("json_schema", json.dumps(schema)))
+            kept.append((f, schema))
+        except ParameterError as exc:
+            counts["refused"] += 1
+            counts["refusals"].append([f.stem, str(exc)[:200]])
+    files, schemas = [f for f, _ in kept], [s for _, s in kept]
     chats = [[{"role": "user", "content": f"Reply with one JSON value for this schema:\n{json.dumps(s)[:1500]}"}]
              for s in schemas]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, guided=GuidedSpec("json_schema", json.dumps(s)))
               for s in schemas]
     start = time.perf_counter()
     outs = llm.chat(chats, params)
-    counts = {"schemas": len(files), "max_tokens": max_tokens, "finished_valid": 0, "finished_invalid": 0,
-              "length": 0, "error": 0, "seconds": 0.0, "invalid": [], "errors": []}
     for f, schema, out in zip(files, schemas, outs):
         o = out.outputs[0]
         if o.finish_reason == "stop":
@@ -171,7 +183,7 @@ def main() -> None:
     print_table(masks, ["batch", "vocab", "steps", "fill_ms", "apply_ms", "per_token_us"])
     counts = validity(llm, args.schemas, args.validity_max_tokens) if args.schemas >= 0 and JSB.is_dir() else None
     if counts:
-        print(f"validity over {counts['schemas']} schemas ({counts['seconds']} s): "
+        print(f"validity over {counts['schemas']} schemas ({counts['seconds']} s): {counts['refused']} refused (400), "
               f"{counts['finished_valid']} finished and valid, {counts['finished_invalid']} finished but invalid, "
               f"{counts['length']} hit max_tokens, {counts['error']} failed")
     print(write_json(args.name, {"benchmark": "guided", "machine": info, "args": vars(args), "throughput": rows,
