@@ -8,7 +8,8 @@ Random weights of a bundled config (`--load-format dummy`), bfloat16, on one CUD
   table, which is only gathered) over the device's copy bandwidth, measured here with a
   large device-to-device copy (bytes read + bytes written per second);
 - fastdeploy: the median wall time of `ModelRunner.execute` for a decode step (forward,
-  logits, greedy sampler, packed frame, its host sync included), with CUDA graphs and eager;
+  logits, greedy sampler, packed frame, its host sync included), with CUDA graphs and eager,
+  and the forward alone (`graph_forward_ms`: replays of the captured graph, CUDA events);
 - transformers: `LlamaForCausalLM(config)` in bfloat16 with random weights, `generate`
   greedy; per-token time from two runs of different lengths, so the prefill cancels;
 - prefill: tokens per second of one `max_num_batched_tokens` prefill step.
@@ -62,6 +63,20 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     # A tied head reads the embedding matrix as its weight: then it is streamed after all.
     return total if tied else total - embed.numel() * embed.element_size()
+
+
+def graph_replay_ms(graphs, batch: int, repeats: int = 20) -> float:
+    """The model forward alone: replays of the captured graph on the last step's inputs (median)."""
+    graph = graphs.graphs[next(b for b in graphs.sizes if b >= batch)]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[dict]]:
@@ -144,6 +159,8 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
             ids, _ = prefill(batch, args.prompt_len)
             decode_times(ids, args.prompt_len, args.warmup)
             times = decode_times(ids, args.prompt_len + args.warmup, args.steps)
+            if mode == "graph":
+                row["graph_forward_ms"] = graph_replay_ms(graphs, batch)
             free(ids)
             row[f"{mode}_step_ms"] = 1e3 * statistics.median(times)
         runner.cuda_graphs = graphs
@@ -198,8 +215,9 @@ def plot(payload: dict) -> str:
     batches = [r["batch"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if rows[0].get("graph_step_ms") is not None:
-        ax1.plot(batches, [r["graph_step_ms"] for r in rows], "o-", label="fastdeploy, CUDA graphs")
-    ax1.plot(batches, [r["eager_step_ms"] for r in rows], "s--", label="fastdeploy, eager")
+        ax1.plot(batches, [r["graph_step_ms"] for r in rows], "o-", label="fastdeploy step, CUDA graphs")
+        ax1.plot(batches, [r["graph_forward_ms"] for r in rows], "o:", label="fastdeploy forward (graph replay)")
+    ax1.plot(batches, [r["eager_step_ms"] for r in rows], "s--", label="fastdeploy step, eager")
     if rows[0].get("hf_ms_per_token") is not None:
         ax1.plot(batches, [r["hf_ms_per_token"] for r in rows], "^-", label="transformers.generate")
     ax1.axhline(payload["floor_ms"], color="gray", ls=":", label="weight-streaming floor")
@@ -267,7 +285,8 @@ def main() -> None:
     print(f"# {payload['device']}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
           f"weights streamed {info['weight_bytes_streamed'] / 1e9:.2f} GB  floor {floor_ms:.2f} ms  "
           f"KV pool {info['num_kv_blocks']} blocks ({info['kv_cache_gib']:.1f} GiB)")
-    print_table(rows, ["batch", "context_len", "floor_ms", "graph_step_ms", "vs_floor", "eager_step_ms",
+    print_table(rows, ["batch", "context_len", "floor_ms", "graph_forward_ms", "graph_step_ms", "vs_floor",
+                       "eager_step_ms",
                        "hf_ms_per_token", "speedup_vs_hf", "tokens_per_s"])
     print_table(prefill_rows, ["prompt_len", "batch", "tokens", "seconds", "tokens_per_s"])
     print(write_json(NAME, payload))

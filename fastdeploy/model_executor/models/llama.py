@@ -14,17 +14,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy.config import ModelConfig
+from fastdeploy.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
+def _fused():
+    """The Triton kernels used on CUDA; imported on first use since triton is optional on CPU hosts."""
+    from fastdeploy.model_executor.layers import triton_fused
+
+    return triton_fused
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """`norm(x, residual)`, as one fused kernel on CUDA."""
+    if x.is_cuda:
+        return _fused().add_rms_norm(x, residual, norm.weight, norm.eps)
+    return norm(x, residual)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # Tensor parallelism: this rank's heads (q/k/v are column-parallel, o_proj row-parallel).
+        self.num_heads = config.num_attention_heads // tp_size()
+        self.num_kv_heads = config.num_key_value_heads // tp_size()
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -40,22 +57,31 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        if qkv.is_cuda:
+            _fused().rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if not qkv.is_cuda:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta)))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        intermediate = config.intermediate_size // tp_size()  # this rank's MLP channels
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            return all_reduce(self.down_proj(_fused().silu_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,19 +104,30 @@ class LlamaDecoderLayer(nn.Module):
         # The residual add is fused into the norms: x is the previous sub-block's output.
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = _norm(self.input_layernorm, x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = _norm(self.input_layernorm, x, residual)
         x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = _norm(self.post_attention_layernorm, x, residual)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return self.embed_tokens(input_ids)
+        # Ids outside this rank's rows contribute zeros; the sum over ranks is the full lookup.
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+        return all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Vocabulary-parallel: this rank's rows of the (padded) vocabulary.
+        self.vocab_start, vocab_end = vocab_shard(config.vocab_size, tp_rank(), tp_size())
+        self.embed_tokens = nn.Embedding(vocab_end - self.vocab_start, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -101,13 +138,13 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         # RoPE angles once per step, shared by every layer.
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = self.norm(x, residual)
+        x, _ = _norm(self.norm, x, residual)
         return x
 
 
@@ -130,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         # Parameter, so tying survives meta-device construction and `to_empty`.
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
 
     def forward(
         self,
@@ -144,10 +181,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if hidden.is_cuda and hidden.dtype != torch.float32:
+            # Logits rounded to bf16 (8 mantissa bits: steps of 0.125 between 16 and 32) often
+            # tie the top tokens exactly; keep the GEMM's float32 accumulators instead.
+            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden, weight).float()
+        if tp_size() == 1:
+            return logits
+        # Each rank scored its vocabulary rows; every rank gets the whole (unpadded) row.
+        return all_gather_last_dim(logits)[:, : self.config.vocab_size]
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
+        c = local_config(self.config, tp_size())
         if fused == ".qkv_proj.":
             q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
             return [q, kv, kv]
@@ -166,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
+            tensor = shard_weight(name, tensor, tp_rank(), tp_size())
             for frag, (fused, idx) in _STACKED.items():
                 if frag in name:
                     target = name.replace(frag, fused)

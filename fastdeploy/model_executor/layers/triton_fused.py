@@ -1,0 +1,105 @@
+"""Fused elementwise kernels for the CUDA decoder layer (Triton): residual add + RMSNorm, RoPE, SiLU*mul.
+
+In PyTorch each of these is a chain of 2-9 small kernels per layer; at decode batch sizes every
+one of them costs a few microseconds of launch and tail however little it computes, which adds
+up to milliseconds over 32 layers. Each kernel here is one pass over its data.
+
+Numerics follow the PyTorch ops they replace (`layernorm.RMSNorm`, `rotary.apply_rope`):
+the residual sum is rounded to the activation dtype before the norm reads it, the norm runs in
+float32, the result is rounded before the weight multiplies it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(ResOut + row * stride_ro + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / n_cols
+    y = (h * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(Out + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm.forward` in one kernel: norm(x) or, with `residual`, (norm(x + residual), x + residual)."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    r = residual if residual is not None else x
+    _add_rms_norm_kernel[(rows,)](
+        x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=8 if cols >= 2048 else 4,
+    )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rope_kernel(
+    X, Cos, Sin, stride_x, stride_c, num_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HALF_PAD)
+    ok = (heads < num_heads)[:, None] & (d < HALF)[None, :]
+    base = X + tok * stride_x + heads[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    # cos/sin rows are [freqs | freqs] (rotate-half convention): the first half covers both halves.
+    c = tl.load(Cos + tok * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + tok * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    tl.store(base, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=ok)
+    tl.store(base + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=ok)
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """Rotate, in place, the first `num_heads` heads of each row of `qkv` [T, >= num_heads * head_dim].
+
+    Q and K heads sit side by side at the start of the fused QKV projection's output, so one
+    launch rotates both. cos/sin: [T, head_dim] as from `rotary.rope_cos_sin`.
+    """
+    half = head_dim // 2
+    _rope_kernel[(qkv.shape[0],)](
+        qkv, cos, sin, qkv.stride(0), cos.stride(0), num_heads,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(num_heads), num_warps=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    gate = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=ok, other=0.0)
+    # Rounded like `F.silu(gate) * up`: the activation first, then the product.
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(Out + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` = [gate | up] along the last dim."""
+    rows, cols2 = gate_up.shape
+    cols = cols2 // 2
+    out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
+                                                      BLOCK=block, num_warps=4)
+    return out
