@@ -178,9 +178,10 @@ def main() -> None:
     llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
               max_num_seqs=max([*args.batch_sizes, 64]), max_model_len=1024)
     rows = throughput(llm, args.batch_sizes, args.max_tokens)
-    print_table(rows, ["batch", "mode", "tokens", "seconds", "tok_s", "vs_unconstrained"])
     masks = mask_time(llm, args.batch_sizes)
-    print_table(masks, ["batch", "vocab", "steps", "fill_ms", "apply_ms", "per_token_us"])
+    if rows:
+        print_table(rows, ["batch", "mode", "tokens", "seconds", "tok_s", "vs_unconstrained"])
+        print_table(masks, ["batch", "vocab", "steps", "fill_ms", "apply_ms", "per_token_us"])
     counts = validity(llm, args.schemas, args.validity_max_tokens) if args.schemas >= 0 and JSB.is_dir() else None
     if counts:
         print(f"validity over {counts['schemas']} schemas ({counts['seconds']} s): {counts['refused']} refused (400), "
