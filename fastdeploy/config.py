@@ -56,6 +56,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    tensor_parallel_size: int = 1  # worker processes (GPUs) the model's layers are split over
     seed: int = 0
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False

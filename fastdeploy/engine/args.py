@@ -17,6 +17,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "cpu"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     seed: int = 0
     max_num_seqs: int = 64
     max_model_len: int = 2048
@@ -41,6 +42,7 @@ class EngineArgs:
             dtype=self.dtype,
             device=self.device,
             enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             enable_keep_sampling_mask=self.enable_keep_sampling_mask,
@@ -75,6 +77,9 @@ class EngineArgs:
         parser.add_argument("--device", default=d.device, help="cpu or cuda")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                            help="split each layer over this many worker processes, one per GPU (torch.distributed: "
+                                 "NCCL on CUDA, gloo on CPU); must divide the attention heads, KV heads and MLP width")
         parser.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most sequences decoded together in one step")

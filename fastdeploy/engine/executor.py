@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import tempfile
 from typing import Protocol
 
 import msgspec
@@ -13,7 +15,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
-from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker
+from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
 
 
 class Executor(Protocol):
@@ -26,17 +28,28 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """Offline use: the model runner lives in the caller's process."""
+    """Offline use: the model runner lives in the caller's process (tensor-parallel rank 0;
+    ranks 1..N-1 run in child processes)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.runner = ModelRunner(config)
+        self._dir = tempfile.mkdtemp(prefix="fastdeploy-tp-") if config.tensor_parallel_size > 1 else None
+        self.followers = spawn_followers(config, self._dir) if self._dir else []
+        self.runner = ModelRunner(config, 0, tp_init_file(self._dir) if self._dir else None)
         self.info = self.runner.info
 
     def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
-        pass
+        if self.followers:
+            self.runner.stop_followers()
+        for process in self.followers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+        self.followers = []
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class WorkerError(RuntimeError):

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from fastdeploy.config import EngineConfig, ModelConfig, resolve_dtype
+from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_bytes, init_tensor_parallel, tp_size
+from fastdeploy.distributed.shard import local_config
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
@@ -61,21 +63,41 @@ class WorkerInfo:
     max_position_embeddings: int
 
 
+class ForwardPlan(msgspec.Struct, array_like=True):
+    """What rank 0 tells the other tensor-parallel ranks to compute this step."""
+
+    chunks: list[ChunkInput]
+    drafts: dict[int, list[int]]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_file: str | None = None) -> None:
+        """`rank`, `dist_init_file`: this worker's place in a tensor-parallel group of
+        `config.tensor_parallel_size` processes (rank 0 samples and talks to the engine)."""
         self.config = config
         self.device = torch.device(config.device)
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            if config.speculative is not None and config.speculative.method == "mtp":
+                raise ValueError("MTP speculation does not support --tensor-parallel-size > 1 yet")
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", rank)
+                torch.cuda.set_device(self.device)
+            init_tensor_parallel(rank, tp, dist_init_file, self.device)
         self.dtype = _DTYPES[resolve_dtype(config.dtype, config.device)]
         torch.manual_seed(config.seed)
         self.model, self.model_config = get_model(
-            config.model, config.load_format, dtype=self.dtype, device=config.device, seed=config.seed
+            config.model, config.load_format, dtype=self.dtype, device=self.device, seed=config.seed
         )
+        # This rank's share of the attention heads: what its KV cache holds.
+        cache_model_config = local_config(self.model_config, tp)
         self.block_size = config.cache.block_size
-        self.num_blocks = config.cache.num_blocks or num_kv_blocks(
-            self.model, self.model_config, config, self.dtype, self.device
-        )
+        # Every rank must agree on the pool the engine hands out block ids from.
+        self.num_blocks = all_reduce_min(config.cache.num_blocks or num_kv_blocks(
+            self.model, cache_model_config, config, self.dtype, self.device
+        ))
         # One spare block past the engine's pool: padded rows of a captured decode batch write there.
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks + 1, self.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(cache_model_config, self.num_blocks + 1, self.block_size, self.dtype,
                                             self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -86,6 +108,8 @@ class ModelRunner:
             )  # fmt: skip
             self.cuda_graphs.capture()
         self.sampler = Sampler()
+        self._plan_encoder = msgspec.msgpack.Encoder()
+        self._plan_decoder = msgspec.msgpack.Decoder(ForwardPlan)
         spec = config.speculative
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
             if spec is not None and spec.method == "ngram" else None
@@ -160,6 +184,8 @@ class ModelRunner:
                                               self.model_config.vocab_size)
             else:
                 bitmask = self.guided.bitmask(seq_ids)
+        if tp_size() > 1:
+            broadcast_bytes(self._plan_encoder.encode(ForwardPlan(chunks, drafts)))
         input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(chunks, drafts)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
@@ -193,6 +219,28 @@ class ModelRunner:
         if self.mtp is not None:
             self._mtp_step(chunks, hidden, dict(zip(seq_ids, counts)), drafts)
         return frame, events
+
+    def follow(self) -> bool:
+        """Ranks > 0: run the forward passes rank 0 plans, taking part in their collectives.
+        Returns False when rank 0 says stop."""
+        payload = broadcast_bytes(None)
+        if not payload:
+            return False
+        plan = self._plan_decoder.decode(payload)
+        with torch.inference_mode():
+            input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(plan.chunks, plan.drafts)
+            if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
+                hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
+            else:
+                hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+            if sample_rows:
+                self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return True
+
+    def stop_followers(self) -> None:
+        """Rank 0: release the other ranks' `follow` loops."""
+        if tp_size() > 1:
+            broadcast_bytes(b"")
 
     def _mtp_step(self, chunks: list[ChunkInput], hidden: torch.Tensor, accepted: dict[int, int],
                   drafts: dict[int, list[int]]) -> None:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
+import threading
+import time
 import traceback
+
+import psutil
 
 import msgspec
 import zmq
@@ -25,14 +31,50 @@ STEP = b"S"
 SHUTDOWN = b"Q"
 
 
+def tp_init_file(directory: str) -> str:
+    """The file the tensor-parallel ranks rendezvous on (fresh per engine: in its private directory)."""
+    return os.path.join(directory, "tp_init")
+
+
+def spawn_followers(config: EngineConfig, directory: str) -> list[multiprocessing.process.BaseProcess]:
+    """Start tensor-parallel ranks 1..N-1; rank 0 is the caller's worker."""
+    spawn = multiprocessing.get_context("spawn")
+    followers = []
+    for rank in range(1, config.tensor_parallel_size):
+        process = spawn.Process(target=run_follower, args=(config, directory, rank, os.getpid()), daemon=True,
+                                name=f"fastdeploy-worker-tp{rank}")
+        process.start()
+        followers.append(process)
+    return followers
+
+
+def _exit_when_gone(pid: int) -> None:
+    """A follower blocked in a collective cannot notice its parent die; this thread does."""
+    while psutil.pid_exists(pid):
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def run_follower(config: EngineConfig, directory: str, rank: int, parent_pid: int) -> None:
+    """Entry point of tensor-parallel rank > 0: runs the forward passes rank 0 plans, until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker-tp{rank} %(levelname)s %(message)s")
+    threading.Thread(target=_exit_when_gone, args=(parent_pid,), daemon=True).start()
+    runner = ModelRunner(config, rank, tp_init_file(directory))
+    while runner.follow():
+        pass
+    logger.info("tensor-parallel rank %d stopped", rank)
+
+
 def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
-    """Entry point of the worker process (spawned by the engine)."""
+    """Entry point of the worker process (spawned by the engine); tensor-parallel rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when we stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     ctx = zmq.Context()
     sock = socket(ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=False)
+    followers = spawn_followers(config, ipc_dir)
     try:
-        runner = ModelRunner(config)
+        runner = ModelRunner(config, 0, tp_init_file(ipc_dir))
         sock.send_multipart([INFO, msgspec.msgpack.encode(runner.info)])
     except Exception:
         sock.send_multipart([ERROR, traceback.format_exc().encode()])
@@ -56,6 +98,11 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
                 continue
             sock.send_multipart([FRAME, frame, encoder.encode(events)], copy=False)
     finally:
+        runner.stop_followers()
+        for process in followers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
         sock.close()
         ctx.term()
         logger.info("worker %d stopped", os.getpid())

@@ -1,0 +1,74 @@
+"""Tensor parallelism: 2 ranks (gloo on CPU here, NCCL on GPUs) give the tokens of 1 rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config
+from transformers import Qwen2ForCausalLM as HFQwen2
+
+from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.distributed.shard import shard_weight, vocab_shard
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import InProcessExecutor
+from fastdeploy.engine.request import EngineRequest
+from fastdeploy.engine.sampling_params import SamplingParams
+
+# Odd vocabulary (padding on the last rank), GQA, q/k/v biases, untied head.
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2, vocab_size=253, max_position_embeddings=256, rope_theta=1e4,
+             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    hf = HFQwen2(Qwen2Config(**SMALL))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen2")
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def _generate(model_dir: str, tp: int) -> list:
+    config = EngineConfig(model=model_dir, device="cpu", dtype="float32", tensor_parallel_size=tp,
+                          guided_decoding_backend="off", cache=CacheConfig(block_size=4, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64))
+    executor = InProcessExecutor(config)
+    core = EngineCore(config, executor)
+    g = torch.Generator().manual_seed(3)
+    for i in range(4):
+        prompt = torch.randint(3, SMALL["vocab_size"], (5 + 9 * i,), generator=g).tolist()
+        core.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                     logprobs=3)))
+    results: dict[str, tuple[list, list]] = {}
+    try:
+        while core.has_work():
+            for delta in core.step():
+                tokens, logprobs = results.setdefault(delta.request_id, ([], []))
+                tokens.extend(delta.token_ids)
+                logprobs.extend(delta.logprobs or [])
+    finally:
+        core.shutdown()
+    return [results[f"r{i}"] for i in range(4)]
+
+
+def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir):
+    single = _generate(model_dir, 1)
+    split = _generate(model_dir, 2)
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
+
+
+def test_shards_cover_the_full_tensors():
+    w = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    assert torch.equal(torch.cat([shard_weight("model.layers.0.self_attn.q_proj.weight", w, r, 2) for r in (0, 1)]), w)
+    assert torch.equal(torch.cat([shard_weight("model.layers.0.mlp.down_proj.weight", w, r, 2) for r in (0, 1)], 1), w)
+    assert torch.equal(shard_weight("model.norm.weight", w, 1, 2), w)
+    rows = [shard_weight("model.embed_tokens.weight", w[:7], r, 2) for r in (0, 1)]
+    assert [r.shape[0] for r in rows] == [4, 4] and torch.equal(torch.cat(rows)[:7], w[:7])
+    assert not rows[1][3].any()  # padding row
+    assert vocab_shard(7, 1, 2) == (4, 8)
