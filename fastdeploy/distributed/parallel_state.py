@@ -30,6 +30,7 @@ def init_tensor_parallel(rank: int, size: int, init_file: str, device: torch.dev
     """Join the group of `size` worker processes that share `init_file` (a path on local disk)."""
     global _STATE
     if size == 1:
+        _STATE = TensorParallelState()
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)

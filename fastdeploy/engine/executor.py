@@ -12,6 +12,7 @@ import msgspec
 import zmq
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.distributed.parallel_state import destroy_tensor_parallel
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
@@ -48,6 +49,7 @@ class InProcessExecutor:
             if process.is_alive():
                 process.kill()
         self.followers = []
+        destroy_tensor_parallel()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -70,6 +72,7 @@ class WorkerProcessExecutor:
         self.process = spawn.Process(target=run_worker, args=(config, ipc_dir, os.getpid()), daemon=True,
                                      name="fastdeploy-worker")
         self.process.start()
+        self.followers = spawn_followers(config, ipc_dir)
         kind, payload = self._recv(startup_timeout_s)
         if kind != INFO:
             raise WorkerError(f"worker failed to start:\n{payload.decode()}")
@@ -95,5 +98,9 @@ class WorkerProcessExecutor:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(timeout=5)
+        for process in self.followers:  # released by rank 0's shutdown; killed if rank 0 could not
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
         self.sock.close()
         self.ctx.term()

@@ -37,7 +37,8 @@ def tp_init_file(directory: str) -> str:
 
 
 def spawn_followers(config: EngineConfig, directory: str) -> list[multiprocessing.process.BaseProcess]:
-    """Start tensor-parallel ranks 1..N-1; rank 0 is the caller's worker."""
+    """Start tensor-parallel ranks 1..N-1 as children of the caller (rank 0 is the caller itself, or
+    its worker process: a daemonic worker may not have children of its own)."""
     spawn = multiprocessing.get_context("spawn")
     followers = []
     for rank in range(1, config.tensor_parallel_size):
@@ -72,7 +73,6 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     ctx = zmq.Context()
     sock = socket(ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=False)
-    followers = spawn_followers(config, ipc_dir)
     try:
         runner = ModelRunner(config, 0, tp_init_file(ipc_dir))
         sock.send_multipart([INFO, msgspec.msgpack.encode(runner.info)])
@@ -99,10 +99,6 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
             sock.send_multipart([FRAME, frame, encoder.encode(events)], copy=False)
     finally:
         runner.stop_followers()
-        for process in followers:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
         sock.close()
         ctx.term()
         logger.info("worker %d stopped", os.getpid())

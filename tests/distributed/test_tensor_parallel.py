@@ -10,9 +10,10 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.distributed.shard import shard_weight, vocab_shard
 from fastdeploy.engine.engine_core import EngineCore
-from fastdeploy.engine.executor import InProcessExecutor
+from fastdeploy.engine.executor import InProcessExecutor, WorkerProcessExecutor
 from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.ipc import make_ipc_dir
 
 # Odd vocabulary (padding on the last rank), GQA, q/k/v biases, untied head.
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -32,11 +33,15 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _generate(model_dir: str, tp: int) -> list:
-    config = EngineConfig(model=model_dir, device="cpu", dtype="float32", tensor_parallel_size=tp,
+def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False) -> list:
+    config = EngineConfig(model=model_dir, device=device, dtype="float32", tensor_parallel_size=tp,
                           guided_decoding_backend="off", cache=CacheConfig(block_size=4, num_blocks=256),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64))
-    executor = InProcessExecutor(config)
+    if worker_process:  # the server's layout: rank 0 in a worker process that spawns the other ranks
+        ipc_dir = make_ipc_dir()
+        executor = WorkerProcessExecutor(config, ipc_dir)
+    else:  # offline `LLM`: rank 0 in this process
+        executor = InProcessExecutor(config)
     core = EngineCore(config, executor)
     g = torch.Generator().manual_seed(3)
     for i in range(4):
@@ -55,12 +60,23 @@ def _generate(model_dir: str, tp: int) -> list:
     return [results[f"r{i}"] for i in range(4)]
 
 
-def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir):
+@pytest.mark.parametrize("worker_process", [False, True], ids=["in-process", "worker-process"])
+def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir, worker_process):
     single = _generate(model_dir, 1)
-    split = _generate(model_dir, 2)
+    split = _generate(model_dir, 2, worker_process=worker_process)
     for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_give_the_greedy_tokens_of_one(model_dir):
+    single = _generate(model_dir, 1, device="cuda")
+    split = _generate(model_dir, 2, device="cuda")
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-3, rtol=1e-3)
 
 
 def test_shards_cover_the_full_tensors():
