@@ -68,6 +68,7 @@ def timed(llm: LLM, conversations: list[list[dict]], params: SamplingParams) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory; default: the embedded model")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=192)
@@ -81,7 +82,7 @@ def main() -> None:
     info = machine_info()
     print_machine(info)
 
-    common = dict(device=args.device, max_num_seqs=max(args.batch_sizes), max_model_len=1024)
+    common = dict(model=args.model, device=args.device, max_num_seqs=max(args.batch_sizes), max_model_len=1024)
     engines = {"baseline": LLM(**common), "speculative": LLM(**common, speculative_config=spec)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
