@@ -16,8 +16,8 @@ from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
 from fastdeploy.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 
 
-def _attention(attn: LlamaAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    batch, length, _ = h.shape
+def _attention(attn: LlamaAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               batch: int, length: int) -> torch.Tensor:
     d = attn.head_dim
     q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = apply_rope(q.reshape(batch * length, attn.num_heads, d), cos, sin)
@@ -27,7 +27,7 @@ def _attention(attn: LlamaAttention, h: torch.Tensor, cos: torch.Tensor, sin: to
     v = v.view(batch, length, attn.num_kv_heads, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5,
                                          enable_gqa=attn.num_kv_heads != attn.num_heads)
-    return attn.o_proj(out.transpose(1, 2).reshape(batch, length, attn.q_size))
+    return attn.o_proj(out.transpose(1, 2).reshape(batch * length, attn.q_size))
 
 
 @torch.no_grad()
@@ -35,7 +35,8 @@ def dense_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor) -> tor
     """Hidden states [B, L, H] after the final norm for token ids [B, L] at positions 0..L-1."""
     c = model.config
     batch, length = input_ids.shape
-    x = model.model.embed_tokens(input_ids)
+    # The modules get flat [tokens, hidden] rows, the layout the engine gives them.
+    x = model.model.embed_tokens(input_ids.reshape(-1))
     positions = torch.arange(length, device=input_ids.device).repeat(batch)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
     residual = None
@@ -45,7 +46,7 @@ def dense_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor) -> tor
             x = layer.input_layernorm(x)
         else:
             x, residual = layer.input_layernorm(x, residual)
-        x = _attention(layer.self_attn, x, cos, sin)
+        x = _attention(layer.self_attn, x, cos, sin, batch, length)
         x, residual = layer.post_attention_layernorm(x, residual)
         x = layer.mlp(x)
-    return model.model.norm(x, residual)[0]
+    return model.model.norm(x, residual)[0].view(batch, length, -1)

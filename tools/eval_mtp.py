@@ -62,16 +62,18 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     prompts = held_out_prompts(args.num_prompts)
     blocks = args.num_kv_blocks or (2048 if args.device.startswith("cuda") else None)
-    rows = [evaluate(args.model, args.head, args.device, prompts, k, t, args.max_tokens, blocks)
-            for t in args.temperatures for k in args.draft_tokens]
     print(f"{'temp':>5} {'k':>2} {'acceptance':>10} {'mean_len':>8} {'drafts':>7} {'accepted':>8}")
-    for r in rows:
-        print(f"{r['temperature']:>5.1f} {r['k']:>2} {r['acceptance_rate']:>10.3f} {r['mean_accepted_length']:>8.3f} "
-              f"{r['draft_tokens']:>7} {r['accepted_tokens']:>8}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": args.device, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                       "rows": rows}, f, indent=1)
+    rows = []
+    for t in args.temperatures:
+        for k in args.draft_tokens:
+            r = evaluate(args.model, args.head, args.device, prompts, k, t, args.max_tokens, blocks)
+            rows.append(r)
+            print(f"{r['temperature']:>5.1f} {r['k']:>2} {r['acceptance_rate']:>10.3f} "
+                  f"{r['mean_accepted_length']:>8.3f} {r['draft_tokens']:>7} {r['accepted_tokens']:>8}", flush=True)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"device": args.device, "num_prompts": args.num_prompts,
+                               "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
