@@ -27,14 +27,15 @@ run)
     cd /tmp/repo && export PYTHONPATH=$SITE:$PWD
     mkdir -p benchmarks/results
     head_dir=fastdeploy/model_executor/models/mtp_heads/smollm2-135m-instruct
-    timeout 300 python3 tools/train_mtp.py --device cuda --max-train-seconds ${TRAIN_S:-140} 2>&1 \
+    timeout 250 python3 tools/train_mtp.py --device cuda --num-prompts ${PROMPTS:-1024} --max-tokens 192 \
+        --max-train-seconds ${TRAIN_S:-75} 2>&1 \
         | tr '\r' '\n' | grep -v "Loading GGUF" | awk 'NR % 20 == 0 || !/it\/s|step\/s|s\/it|s\/step/' | tee -a $OUT/log.txt
     cp $head_dir/config.json $head_dir/model.safetensors benchmarks/results/mtp_train_loss.* $OUT/
-    timeout 130 python3 tools/eval_mtp.py --device cuda --num-prompts 64 --max-tokens 128 \
-        --json $OUT/mtp_eval_cuda.json 2>&1 | grep -v "Loading GGUF" | tee -a $OUT/log.txt
-    timeout 140 python3 benchmarks/speculative_mtp.py --device cuda --eager --draft-tokens 1 2 --repeats 3 2>&1 \
-        | grep -v "Loading GGUF" | tee -a $OUT/log.txt
+    timeout 90 python3 benchmarks/speculative_mtp.py --device cuda --draft-tokens 1 2 --repeats 2 --max-tokens 96 \
+        2>&1 | grep -v "Loading GGUF" | tee -a $OUT/log.txt
     cp benchmarks/results/speculative_mtp_cuda.* $OUT/
+    timeout 40 python3 -m pytest -q -p no:cacheprovider tests/spec_decode/test_mtp_head.py -k cuda 2>&1 | tail -3 \
+        | tee -a $OUT/log.txt
     ;;
 *)
     echo "usage: $0 setup|run" >&2; exit 2

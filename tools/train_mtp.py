@@ -121,24 +121,27 @@ def init_head(target: LlamaForCausalLM, intermediate_size: int | None) -> MTPHea
 
 def train(head: MTPHead, target: LlamaForCausalLM, seqs: list[Sequence], steps: int, lr: float,
           max_batch_tokens: int, seed: int, max_seconds: float = math.inf) -> list[dict[str, float]]:
-    """AdamW over length-bucketed batches; stops early once `max_seconds` have passed."""
+    """AdamW over length-bucketed batches for `steps` steps or `max_seconds`, whichever ends first.
+
+    The schedule (linear warm-up, cosine decay to a tenth) follows whichever of the two is further
+    along, so a run cut by the clock still anneals.
+    """
     device = next(target.parameters()).device
     head.to(device=device, dtype=torch.float32).train()
     optim = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, steps // 20)
-
-    def lr_at(step: int) -> float:  # linear warm-up, cosine decay to a tenth
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_at)
     rng = random.Random(seed)
     pending: list[list[Sequence]] = []
     log = []
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    deadline = time.perf_counter() + max_seconds
-    for step in (bar := tqdm(range(steps), desc="training", unit="step")):
+    start = time.perf_counter()
+    bar = tqdm(total=steps, desc="training", unit="step")
+    for step in range(steps):
+        progress = max(step / steps, (time.perf_counter() - start) / max_seconds)
+        if progress >= 1:
+            break
+        scale = progress / 0.05 if progress < 0.05 else 0.1 + 0.45 * (1 + math.cos(math.pi * (progress - 0.05) / 0.95))
+        for group in optim.param_groups:
+            group["lr"] = lr * max(scale, 0.01)
         if not pending:
             pending = batches(seqs, max_batch_tokens, rng)
         ids, mask = _pad(pending.pop(), device)
@@ -148,12 +151,12 @@ def train(head: MTPHead, target: LlamaForCausalLM, seqs: list[Sequence], steps: 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optim.step()
-        sched.step()
-        entry = {"step": step, "kl": loss.item(), "top1_agree": agree.item(), "tokens": int(mask.sum())}
+        entry = {"step": step, "kl": loss.item(), "top1_agree": agree.item(), "tokens": int(mask.sum()),
+                 "lr": optim.param_groups[0]["lr"]}
         log.append(entry)
+        bar.update(1)
         bar.set_postfix(kl=f"{entry['kl']:.3f}", agree=f"{entry['top1_agree']:.3f}")
-        if time.perf_counter() > deadline:
-            break
+    bar.close()
     return log
 
 

@@ -68,3 +68,26 @@ def test_shipped_head_is_exact_and_accepts_on_held_out_prompts(base):
     stats = spec.engine.spec_stats
     assert stats.num_draft_tokens > 0
     assert stats.mean_accepted_length >= MIN_MEAN_ACCEPTED_LENGTH, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_head_on_cuda_matches_cpu():
+    """The training path on CUDA (fused Triton MLP/norm kernels take flat rows) against CPU float32."""
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.model_executor.layers.layernorm import RMSNorm
+    from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config
+
+    torch.manual_seed(3)
+    config = ModelConfig(
+        architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+        max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    head = MTPHead(mtp_config(config)).eval()
+    norm = RMSNorm(config.hidden_size)
+    embeds, prev = torch.randn(2, 2, 10, config.hidden_size).unbind(0)
+    with torch.no_grad():
+        cpu = head.forward_dense(embeds, prev, norm)
+        gpu = head.cuda().forward_dense(embeds.cuda(), prev.cuda(), norm.cuda()).cpu()
+    torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=2e-3)

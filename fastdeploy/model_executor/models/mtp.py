@@ -83,7 +83,8 @@ class MTPHead(nn.Module):
                                              enable_gqa=attn.num_kv_heads != attn.num_heads)
         out = attn.o_proj(out.transpose(1, 2).reshape(batch, length, attn.q_size))
         out, residual = layer.post_attention_layernorm(out, x)
-        out = layer.mlp(out)
+        # Flat [tokens, hidden] rows: the layout the MLP's fused CUDA kernel takes.
+        out = layer.mlp(out.flatten(0, 1)).view(batch, length, -1)
         return final_norm(out, residual)[0]
 
 
