@@ -83,6 +83,8 @@ def main() -> None:
     print_machine(info)
 
     common = dict(model=args.model, device=args.device, max_num_seqs=max(args.batch_sizes), max_model_len=1024)
+    if args.device.startswith("cuda"):
+        common["num_kv_blocks"] = 4096  # two engines share the device: a fixed pool each, not "all that is free"
     engines = {"baseline": LLM(**common), "speculative": LLM(**common, speculative_config=spec)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []

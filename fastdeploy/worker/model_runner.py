@@ -101,8 +101,10 @@ class ModelRunner:
                                             self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            # A verifying step has a decode row per slot: 1 + drafts per sequence.
+            rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
             self.cuda_graphs = CudaGraphRunner(
-                self.model, self.kv_caches, config.scheduler.max_num_seqs,
+                self.model, self.kv_caches, config.scheduler.max_num_seqs * rows_per_seq,
                 -(-config.scheduler.max_model_len // self.block_size), self.block_size,
                 pad_slot=self.num_blocks * self.block_size,
             )  # fmt: skip
@@ -168,9 +170,8 @@ class ModelRunner:
         if drafts and self.guided is not None:
             trim_drafts_to_grammar(self.guided.states, drafts)
             drafts = {seq_id: d for seq_id, d in drafts.items() if d}
-        # Plain decodes first: the attention batches that prefix as one decode group; a
-        # drafted decode attends like a short prefill chunk.
-        chunks = sorted(step.chunks, key=lambda c: not (c.sample and len(c.token_ids) == 1 and c.seq_id not in drafts))
+        # Decodes (drafted or not) first: the attention batches that prefix as one decode group.
+        chunks = sorted(step.chunks, key=lambda c: not (c.sample and (len(c.token_ids) == 1 or c.seq_id in drafts)))
         chunks = [_with_draft(c, drafts[c.seq_id]) if c.seq_id in drafts else c for c in chunks]
         sampled_chunks = [c for c in chunks if c.sample]
         seq_ids = [c.seq_id for c in sampled_chunks]
@@ -305,10 +306,13 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in pos)
             context_len = chunk.start + n
-            # The step input lists decode chunks first, so decodes form a prefix.
-            if n == 1 and chunk.sample and not prefills:
-                decode_tables.append(chunk.block_ids)
-                decode_lens.append(context_len)
+            # Decode chunks come first, so decodes form a prefix. A drafted decode is a run of
+            # decode rows, row j attending to the cache up to its own position: all of the
+            # step's K/V is written before any query reads it, so this is causal attention,
+            # and verification steps batch (and replay as CUDA graphs) like plain decodes.
+            if chunk.sample and (n == 1 or chunk.seq_id in drafts) and not prefills:
+                decode_tables.extend([chunk.block_ids] * n)
+                decode_lens.extend(range(chunk.start + 1, context_len + 1))
             else:
                 table = torch.tensor(chunk.block_ids[: (context_len + bs - 1) // bs], dtype=torch.long)
                 prefills.append(PrefillSeq(start, n, context_len, table))
