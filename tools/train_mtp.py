@@ -37,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
+from fastdeploy.model_executor.model_loader import get_model  # noqa: E402
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
 from fastdeploy.model_executor.models.mtp import (  # noqa: E402
     EMBEDDED_HEAD, SHIPPED_HEADS, MTPHead, mtp_config, save_mtp_head,
@@ -99,7 +100,9 @@ def distill_loss(head: MTPHead, target: LlamaForCausalLM, ids: torch.Tensor,
     hidden = dense_hidden_states(target, ids)  # [B, L, H]: hidden j predicts token j+1
     prev = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # pair j gets hidden j-1
     out = head.forward_dense(target.model.embed_tokens(ids), prev, target.model.norm)
-    student = F.log_softmax(target.compute_logits(out[mask]), dim=-1)
+    # The shared output head as a plain GEMM: compute_logits' CUDA float32-output matmul has no backward.
+    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    student = F.log_softmax(F.linear(out[mask], weight).float(), dim=-1)
     with torch.no_grad():
         teacher = F.log_softmax(target.compute_logits(hidden[mask]), dim=-1)
     loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
@@ -196,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine KV blocks while generating (default on CUDA: 8192, leaving memory for training)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: target's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-data", default=None, help="only generate: write the sequences to this JSON file")
+    p.add_argument("--data", default=None, help="train on sequences from --save-data instead of generating")
     p.add_argument("--out", default=os.path.join(SHIPPED_HEADS, EMBEDDED_HEAD), help="checkpoint directory")
     p.add_argument("--plot", default=None,
                    help="loss curve PNG; its .json twin holds the log (default: benchmarks/results/mtp_train_loss.png)")
@@ -206,17 +211,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    # On CUDA the engine would otherwise size its KV pool from all free memory, leaving none to train in.
-    blocks = args.num_kv_blocks or (8192 if args.device.startswith("cuda") else None)
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, guided_decoding_backend="off",
-              num_kv_blocks=blocks)
-    target: LlamaForCausalLM = llm.engine.executor.runner.model
-    prompts = training_prompts(args.num_prompts, args.seed)
-    seqs = generate_sequences(llm, prompts, args.max_tokens, args.temperatures, args.seed)
+    if args.data:  # sequences generated earlier (--save-data), possibly on another machine
+        with open(args.data) as f:
+            seqs = [Sequence(ids, n) for ids, n in json.load(f)["sequences"]]
+        target, _ = get_model(args.model, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
+                              device=args.device)
+    else:
+        # On CUDA the engine would otherwise size its KV pool from all free memory, leaving none to train in.
+        blocks = args.num_kv_blocks or (8192 if args.device.startswith("cuda") else None)
+        llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, guided_decoding_backend="off",
+                  num_kv_blocks=blocks)
+        target = llm.engine.executor.runner.model
+        seqs = generate_sequences(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens,
+                                  args.temperatures, args.seed)
     generated_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in seqs)
     print(f"{len(seqs)} sequences, {num_tokens} tokens "
           f"({sum(len(s.token_ids) - s.prompt_len for s in seqs)} generated) in {generated_s:.1f} s")
+    if args.save_data:
+        with open(args.save_data, "w") as f:
+            json.dump({"sequences": [[s.token_ids, s.prompt_len] for s in seqs]}, f)
+        return
 
     head = init_head(target, args.intermediate_size)
     log = train(head, target, seqs, args.steps, args.lr, args.batch_tokens, args.seed, args.max_train_seconds)
