@@ -31,7 +31,7 @@ setup(
     description="OpenAI-compatible LLM serving engine with sampling masks, exact speculative logprobs "
     "and xgrammar structured output",
     packages=find_packages(include=["fastdeploy", "fastdeploy.*"]),
-    package_data={"fastdeploy.model_executor.models": ["configs/*.json"]},
+    package_data={"fastdeploy.model_executor.models": ["configs/*.json", "mtp_heads/*/*"]},
     python_requires=">=3.10",
     entry_points={"console_scripts": ["fastdeploy=fastdeploy.entrypoints.cli:main"]},
     ext_modules=modules,
