@@ -14,9 +14,10 @@ from fastdeploy.model_executor.models.mtp import CONFIG_FILE, WEIGHTS_FILE, ship
 from tools.dense_llama import dense_hidden_states
 from tools.mtp_prompts import HELD_OUT_TOPICS, TRAIN_TOPICS, as_chat, held_out_prompts, training_prompts
 
-# tools/eval_mtp.py on 16 held-out prompts (CPU, float32) measures the mean accepted length
-# at 1 draft; 4 prompts x 32 tokens scatter more, so the bound sits below that figure.
-MIN_MEAN_ACCEPTED_LENGTH = 1.4
+# Mean accepted length at 1 draft, greedy, CPU float32: tools/eval_mtp.py measures 1.29 on 16
+# held-out prompts x 64 tokens, and these 4 prompts reach 1.41 at 48 tokens; a random head
+# stays near 1.0. The bound leaves room for the scatter of 4 short answers.
+MIN_MEAN_ACCEPTED_LENGTH = 1.2
 
 
 @pytest.fixture(scope="module")
