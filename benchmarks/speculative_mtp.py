@@ -26,11 +26,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import machine_info, png_path, print_table, pyplot, write_json  # noqa: E402
-from fastdeploy import LLM, SamplingParams  # noqa: E402
-from tools.mtp_prompts import as_chat, held_out_prompts  # noqa: E402
+from benchmarks.common import machine_info, png_path, print_table, pyplot, write_json
+from fastdeploy import LLM, SamplingParams
+from tools.mtp_prompts import as_chat, held_out_prompts
 
 NAME = "speculative_mtp"
 

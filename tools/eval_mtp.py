@@ -19,10 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from fastdeploy import LLM, SamplingParams  # noqa: E402
-from tools.mtp_prompts import as_chat, held_out_prompts  # noqa: E402
+from fastdeploy import LLM, SamplingParams
+from tools.mtp_prompts import as_chat, held_out_prompts
 
 
 def evaluate(model: str | None, head: str | None, device: str, prompts: list[str], k: int, temperature: float,

@@ -32,18 +32,22 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
-from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.model_executor.model_loader import get_model, get_tokenizer  # noqa: E402
-from fastdeploy.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
-from fastdeploy.model_executor.models.mtp import (  # noqa: E402
-    EMBEDDED_HEAD, SHIPPED_HEADS, MTPHead, mtp_config, save_mtp_head,
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.model_executor.model_loader import get_model, get_tokenizer
+from fastdeploy.model_executor.models.llama import LlamaForCausalLM
+from fastdeploy.model_executor.models.mtp import (
+    EMBEDDED_HEAD,
+    SHIPPED_HEADS,
+    MTPHead,
+    mtp_config,
+    save_mtp_head,
 )
-from tools.dense_llama import dense_hidden_states  # noqa: E402
-from tools.mtp_prompts import as_chat, training_prompts  # noqa: E402
+from tools.dense_llama import dense_hidden_states
+from tools.mtp_prompts import as_chat, training_prompts
 
 
 @dataclass
