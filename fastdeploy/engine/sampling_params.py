@@ -72,6 +72,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if not -100.0 <= bias <= 100.0:
                 raise ParameterError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the token history (repetition / presence / frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def for_choice(self, index: int) -> "SamplingParams":
         """The i-th of n samples: its own sequence and its own seed (seed + i), so samples differ."""
         seed = None if self.seed is None else self.seed + index

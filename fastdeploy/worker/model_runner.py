@@ -170,9 +170,8 @@ class ModelRunner:
         if drafts and self.guided is not None:
             trim_drafts_to_grammar(self.guided.states, drafts)
             drafts = {seq_id: d for seq_id, d in drafts.items() if d}
-        # Decodes (drafted or not) first: the attention batches that prefix as one decode group.
-        chunks = sorted(step.chunks, key=lambda c: not (c.sample and (len(c.token_ids) == 1 or c.seq_id in drafts)))
-        chunks = [_with_draft(c, drafts[c.seq_id]) if c.seq_id in drafts else c for c in chunks]
+        # Drafts only extend decode chunks, which the step lists first: the decode prefix stays one.
+        chunks = [_with_draft(c, drafts[c.seq_id]) if c.seq_id in drafts else c for c in step.chunks]
         sampled_chunks = [c for c in chunks if c.sample]
         seq_ids = [c.seq_id for c in sampled_chunks]
         slot_drafts = [drafts.get(seq_id, []) for seq_id in seq_ids]
@@ -255,12 +254,11 @@ class ModelRunner:
             valid = n - len(drafts.get(chunk.seq_id, ())) - 1 + accepted.get(chunk.seq_id, 0) if chunk.sample else n
             if valid > 0:
                 state = self.sequences[chunk.seq_id]
-                known = state.prompt_token_ids + state.output_token_ids
                 first = 0 if start == 0 else start + 1
                 newest = start + valid
                 last = min(newest, len(chunk.block_ids) * self.block_size - 1)  # only reserved slots
                 work.append(MTPWork(
-                    chunk.seq_id, first, known[first:last + 1],
+                    chunk.seq_id, first, _token_range(state, first, last + 1),
                     [-1 if j == 0 else offset + j - 1 - start for j in range(first, last + 1)],
                     chunk.block_ids, chunk.sample and last == newest))
             offset += n
@@ -344,9 +342,7 @@ class ModelRunner:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        needs_history = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
-        )
+        needs_history = any(p.has_penalties for p in params)
         prompt_ids = output_ids = None
         if needs_history:
             prompt_ids = _pad([s.prompt_token_ids for s in states], dev)
@@ -401,9 +397,21 @@ def _slot_states(states: list[WorkerSequence], drafts: list[list[int]]) -> list[
     rows = []
     for state, draft in zip(states, drafts):
         rows.append(state)
-        for i in range(1, len(draft) + 1):
-            rows.append(dataclasses.replace(state, output_token_ids=state.output_token_ids + draft[:i]))
+        if state.params.has_penalties:
+            rows.extend(dataclasses.replace(state, output_token_ids=state.output_token_ids + draft[:i])
+                        for i in range(1, len(draft) + 1))
+        else:  # the history is never read for this row: no copies on the per-step path
+            rows.extend([state] * len(draft))
     return rows
+
+
+def _token_range(state: WorkerSequence, start: int, end: int) -> list[int]:
+    """Tokens start..end-1 of prompt + output, without building the whole sequence."""
+    prompt, output = state.prompt_token_ids, state.output_token_ids
+    n = len(prompt)
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:end] + output[:max(0, end - n)]
 
 
 def _step_slots(message_id: int, seq_ids: list[int], counts: list[int], slot_counts: list[int],
