@@ -1,0 +1,151 @@
+"""Tensor parallelism: decode throughput and greedy tokens at tensor-parallel size 1 vs N.
+
+    python benchmarks/tensor_parallel.py --tp 1 2                 # 8B-shape dummy, bf16, 2 GPUs
+    python benchmarks/tensor_parallel.py --device cpu --model CONFIG.json --tp 1 2 --batches 1 4 --dtype float32
+
+Random weights of a bundled config (`--load-format dummy`) through the engine (`EngineCore`,
+one process per rank, NCCL on CUDA, gloo on CPU). Each size runs in its own process, so
+every run starts from a clean device. For each batch: random prompts of --prompt-len
+tokens, greedy, --max-tokens new tokens each; the first step (prefill and the first
+token) is timed apart from the decode steps that follow. Dummy weights are drawn per rank,
+so sizes differ in their tokens; `tests/distributed/test_tensor_parallel.py` holds real
+sharded weights to size 1's tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
+
+
+def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
+    """Every batch at one tensor-parallel size, in this process."""
+    from fastdeploy.engine.args import EngineArgs
+    from fastdeploy.engine.engine_core import EngineCore
+    from fastdeploy.engine.executor import InProcessExecutor
+    from fastdeploy.engine.request import EngineRequest
+    from fastdeploy.engine.sampling_params import SamplingParams
+    from fastdeploy.model_executor.model_loader import resolve_model_path
+    from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config
+
+    config = EngineArgs(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
+                        tensor_parallel_size=tp, max_num_seqs=max(args.batches),
+                        max_model_len=args.prompt_len + args.max_tokens + 16,
+                        max_num_batched_tokens=max(args.batches) * args.prompt_len,
+                        guided_decoding_backend="off").create_engine_config()
+    core = EngineCore(config, InProcessExecutor(config))
+    vocab = dummy_model_config(resolve_model_path(args.model)).vocab_size
+    gen = torch.Generator().manual_seed(0)
+    counter = iter(range(1 << 30))
+    rows = []
+
+    def generate(batch: int, max_tokens: int) -> tuple[float, float]:
+        prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        ids = [f"r{next(counter)}" for _ in prompts]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for rid, prompt in zip(ids, prompts):
+            core.add_request(EngineRequest(rid, prompt, params))
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        start = time.perf_counter()
+        first = None
+        while core.has_work():
+            for delta in core.step():
+                tokens[delta.request_id].extend(delta.token_ids)
+            if first is None and all(tokens.values()):
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return first - start, end - first
+
+    try:
+        for batch in args.batches:
+            generate(batch, 4)  # warm-up: allocations, graphs, kernel compiles
+            prefill_s, decode_s = [], []
+            for _ in range(args.repeats):
+                p, d = generate(batch, args.max_tokens)
+                prefill_s.append(p)
+                decode_s.append(d)
+            decode = statistics.median(decode_s)
+            rows.append({"tp": tp, "batch": batch, "first_step_ms": statistics.median(prefill_s) * 1e3,
+                         "decode_step_ms": decode / (args.max_tokens - 1) * 1e3,
+                         "decode_tok_s": batch * (args.max_tokens - 1) / decode})
+            print(f"tp={tp} batch={batch}: decode {rows[-1]['decode_tok_s']:.1f} tok/s, "
+                  f"step {rows[-1]['decode_step_ms']:.2f} ms", flush=True)
+    finally:
+        core.shutdown()
+    return rows
+
+
+def plot(rows: list[dict], title: str, name: str) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for tp in sorted({r["tp"] for r in rows}):
+        pts = [r for r in rows if r["tp"] == tp]
+        ax.plot([r["batch"] for r in pts], [r["decode_tok_s"] for r in pts], marker="o", label=f"tp={tp}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path(name), dpi=120)
+    return png_path(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3_8b", help="bundled config name or config.json path")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--name", default="tensor_parallel")
+    parser.add_argument("--only-tp", type=int, default=None, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.only_tp is not None:
+        with open(args.rows_out, "w") as f:
+            json.dump(run_one_size(args, args.only_tp), f)
+        return
+
+    info = machine_info()
+    print_machine(info)
+    if args.device.startswith("cuda"):
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    rows: list[dict] = []
+    for tp in args.tp:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-tp", str(tp), "--rows-out", out], check=True)
+        with open(out) as f:
+            rows.extend(json.load(f))
+        os.unlink(out)
+
+    base = {r["batch"]: r for r in rows if r["tp"] == args.tp[0]}
+    for r in rows:
+        ref = base[r["batch"]]
+        r["speedup"] = r["decode_tok_s"] / ref["decode_tok_s"]
+    print_table(rows, ["tp", "batch", "first_step_ms", "decode_step_ms", "decode_tok_s", "speedup"])
+    print(write_json(args.name, {"benchmark": "tensor_parallel", "machine": info, "args": vars(args), "rows": rows}))
+    print(plot(rows, f"Tensor parallel decode, {args.model} dummy, {args.dtype}", args.name))
+
+
+if __name__ == "__main__":
+    main()
