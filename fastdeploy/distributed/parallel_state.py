@@ -9,10 +9,14 @@ size is 1 and every collective here is a no-op.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,8 +90,15 @@ def broadcast_bytes(payload: bytes | None) -> bytes:
     return buf.numpy().tobytes()
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
+    """Leave the group. Every rank must call this after rank 0's stop message: NCCL tears a
+    communicator down collectively, so a rank that exits without it blocks the others' exit.
+    The wait is bounded: a peer that died already cannot hold this process forever."""
     global _STATE
     if dist.is_initialized():
-        dist.destroy_process_group()
+        done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
+            logger.warning("tensor-parallel group teardown did not finish within %.0f s; leaving it", timeout_s)
     _STATE = TensorParallelState()

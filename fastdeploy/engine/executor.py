@@ -44,12 +44,12 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         if self.followers:
             self.runner.stop_followers()
+        destroy_tensor_parallel()  # with the followers, which leave the group as they stop
         for process in self.followers:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
         self.followers = []
-        destroy_tensor_parallel()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
 
