@@ -111,6 +111,8 @@ class MTPProposer:
             passes.append(tokens)
             seq_ids.append([w.seq_id for w in drafting])
         flat = torch.cat(passes)
+        if flat.numel() == 0:
+            return PendingDrafts(seq_ids, torch.zeros(0, dtype=torch.long))
         if not flat.is_cuda:
             return PendingDrafts(seq_ids, flat)
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
