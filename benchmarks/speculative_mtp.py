@@ -9,8 +9,9 @@ greedily, `--max-tokens` tokens at most; every configuration produces the same t
 is one `LLM.chat` over `batch` prompts, prefill of the short prompts included. All engines
 are built first; the runs are interleaved (round-robin over configurations, `--repeats`
 rounds) and the median of each is reported, so a shared CPU's load drifts into all of them
-alike. On CUDA the non-speculative engine replays CUDA graphs for decode steps; `--eager`
-adds it without graphs.
+alike. On CUDA every engine replays CUDA graphs for decode steps and MTP passes; `--eager`
+adds the non-speculative engine without graphs, `--mtp-eager` the MTP engines with the MTP
+module's passes eager (the target's steps still replay graphs).
 
 Writes benchmarks/results/speculative_mtp_<device>.json and .png.
 """
@@ -35,8 +36,8 @@ from tools.mtp_prompts import as_chat, held_out_prompts
 NAME = "speculative_mtp"
 
 
-def engines(device: str, max_num_seqs: int, draft_tokens: list[int], eager: bool, head: str | None,
-            num_kv_blocks: int | None) -> dict[str, LLM]:
+def engines(device: str, max_num_seqs: int, draft_tokens: list[int], eager: bool, mtp_eager: bool,
+            head: str | None, num_kv_blocks: int | None) -> dict[str, LLM]:
     common = {"device": device, "max_num_seqs": max_num_seqs, "guided_decoding_backend": "off",
               "num_kv_blocks": num_kv_blocks}
     built = {"off": LLM(**common)}
@@ -45,6 +46,10 @@ def engines(device: str, max_num_seqs: int, draft_tokens: list[int], eager: bool
     for k in draft_tokens:
         spec = {"method": "mtp", "num_speculative_tokens": k, **({"model": head} if head else {})}
         built[f"mtp-k{k}"] = LLM(speculative_config=spec, **common)
+        if mtp_eager and device.startswith("cuda"):
+            llm = LLM(speculative_config=spec, **common)
+            llm.engine.executor.runner.mtp.mtp_pass.graphs = None  # every MTP pass runs eagerly
+            built[f"mtp-k{k}-eager-mtp"] = llm
     return built
 
 
@@ -63,7 +68,8 @@ def timed_run(llm: LLM, prompts: list[str], max_tokens: int, device: str) -> tup
 def run(args: argparse.Namespace) -> dict:
     prompts_all = held_out_prompts(max(args.batches) + 8)
     blocks = args.num_kv_blocks or (2048 if args.device.startswith("cuda") else None)
-    built = engines(args.device, max(args.batches), args.draft_tokens, args.eager, args.head, blocks)
+    built = engines(args.device, max(args.batches), args.draft_tokens, args.eager, args.mtp_eager, args.head,
+                    blocks)
     for llm in built.values():  # warm-up: first-call compilation and allocator growth stay out
         timed_run(llm, prompts_all[-2:], 16, args.device)
     times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in built for b in args.batches}
@@ -123,6 +129,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="CUDA: add the non-speculative engine without graphs")
+    p.add_argument("--mtp-eager", action="store_true",
+                   help="CUDA: add each MTP engine with the MTP module's passes eager (no MTP graphs)")
     p.add_argument("--head", default=None, help="MTP head directory (default: the shipped head)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per engine (default: 2048 on CUDA, where several engines share the GPU)")

@@ -6,6 +6,13 @@ a zero hidden state. Each step processes the pairs that became known: for a chun
 computed positions s..s+v-1 (v = accepted positions), pairs s+1..s+v; pair s was done
 the step before. The drafts written past the accepted tokens are overwritten by real
 pairs once the target has verified those positions.
+
+A step's MTP work is one pass over every sequence's new pairs (its first draft included),
+then one pass per further draft. A decoding sequence's new pairs (at most 1 + k) are decode
+rows, each attending to the MTP cache up to its own position as the target's verification
+rows do, so a step of decodes makes every pass a pure decode batch that replays as a CUDA
+graph (`MTPPass`). Draft tokens stay on the device from pass to pass; the host reads them
+once, when the next step needs them (`PendingDrafts`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
-from fastdeploy.model_executor.models.mtp import MTPHead
+from fastdeploy.spec_decode.mtp_pass import MTPPass
+from fastdeploy.worker.device_inputs import upload_int64
 from fastdeploy.worker.step_input import ChunkInput
 
 PrepareInputs = Callable[[list[ChunkInput], dict], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]]
@@ -34,53 +42,86 @@ class MTPWork:
     draft: bool  # the last pair is the sequence's newest token: draft after it
 
 
+@dataclass
+class PendingDrafts:
+    """A step's drafts on their way to the host, in one copy; `resolve` waits for it."""
+
+    seq_ids: list[list[int]]  # per pass, the sequences that drafted in it, in row order
+    tokens: torch.Tensor  # int64: every pass's drafts one after another, on the host
+    ready: torch.cuda.Event | None = None  # CUDA: recorded after the copy was queued
+
+    def resolve(self) -> dict[int, list[int]]:
+        """Draft tokens per drafting sequence, in draft order."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = iter(self.tokens.tolist())
+        drafts: dict[int, list[int]] = {}
+        for ids in self.seq_ids:
+            for seq_id in ids:
+                drafts.setdefault(seq_id, []).append(next(values))
+        return drafts
+
+
 class MTPProposer:
-    def __init__(self, head: MTPHead, target: torch.nn.Module, num_speculative_tokens: int,
-                 kv_cache: torch.Tensor, block_size: int, prepare_inputs: PrepareInputs) -> None:
-        self.head = head
-        self.target = target
+    def __init__(self, mtp_pass: MTPPass, num_speculative_tokens: int, block_size: int,
+                 prepare_inputs: PrepareInputs) -> None:
+        self.mtp_pass = mtp_pass
         self.num_speculative_tokens = num_speculative_tokens
-        self.kv_cache = kv_cache
         self.block_size = block_size
         self.prepare_inputs = prepare_inputs
 
-    def _run(self, chunks: list[ChunkInput], prev_hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(chunks, {})
-        embeds = self.target.model.embed_tokens(input_ids)
-        out = self.head(embeds, prev_hidden, positions, meta, self.kv_cache, self.target.model.norm)
-        return out, sample_rows
-
-    def propose(self, work: list[MTPWork], step_hidden: torch.Tensor) -> dict[int, list[int]]:
-        """Update the MTP K/V with `work`; return up to k greedy drafts per drafting sequence."""
+    def propose(self, work: list[MTPWork], step_hidden: torch.Tensor) -> PendingDrafts:
+        """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence."""
+        device = step_hidden.device
+        k = self.num_speculative_tokens
         work = [w for w in work if w.tokens]
         if not work:
-            return {}
-        # Drafting chunks last-token-sampled, so the prefix of single-pair chunks batches as decodes.
-        work.sort(key=lambda w: not (w.draft and len(w.tokens) == 1))
-        rows = torch.tensor([r for w in work for r in w.hidden_rows], device=step_hidden.device)
-        prev = step_hidden[rows.clamp(min=0)]
-        prev[rows < 0] = 0
-        chunks = [ChunkInput(w.seq_id, w.tokens, w.start, w.block_ids, w.draft) for w in work]
-        out, sample_rows = self._run(chunks, prev)
-        drafting = [w for w in work if w.draft]
-        if not drafting:
-            return {}
-        hidden = out[torch.tensor(sample_rows, device=out.device)]
-        tokens = self.target.compute_logits(hidden).argmax(dim=1)
-        drafts = {w.seq_id: [t] for w, t in zip(drafting, tokens.tolist())}
-        for r in range(1, self.num_speculative_tokens):
+            return PendingDrafts([], torch.zeros(0, dtype=torch.long))
+        # Decode rows first; longer runs of pairs (prompt chunks) follow as prefills. The runner's
+        # `prepare_inputs` lays a sampled chunk listed in its drafts argument out as decode rows.
+        work.sort(key=lambda w: len(w.tokens) > 1 + k)
+        as_rows: dict[int, list[int]] = {w.seq_id: [] for w in work if len(w.tokens) <= 1 + k}
+        chunks = [ChunkInput(w.seq_id, w.tokens, w.start, w.block_ids, w.seq_id in as_rows) for w in work]
+        input_ids, positions, meta, _ = self.prepare_inputs(chunks, as_rows)
+        drafting, draft_rows, row = [], [], 0
+        for w in work:
+            row += len(w.tokens)
+            if w.draft:
+                drafting.append(w)
+                draft_rows.append(row - 1)
+        hidden_rows_d, draft_rows_d = upload_int64([[r for w in work for r in w.hidden_rows], draft_rows], device)
+        prev = step_hidden.index_select(0, hidden_rows_d.clamp(min=0))
+        prev = torch.where((hidden_rows_d >= 0).unsqueeze(1), prev, 0)
+        hidden, tokens = self.mtp_pass(input_ids, prev, positions, meta, draft_rows_d)
+        passes = [tokens]
+        seq_ids = [[w.seq_id for w in drafting]]
+        for r in range(1, k):
             # Draft r sits at the newest token's position + r; stop where no slot was reserved.
-            live = [(i, w) for i, w in enumerate(drafting)
-                    if w.start + len(w.tokens) - 1 + r < len(w.block_ids) * self.block_size]
+            live = [i for i, w in enumerate(drafting) if _newest(w) + r < len(w.block_ids) * self.block_size]
             if not live:
                 break
-            index = torch.tensor([i for i, _ in live], device=out.device)
-            chunks = [ChunkInput(w.seq_id, [drafts[w.seq_id][-1]], w.start + len(w.tokens) - 1 + r, w.block_ids, True)
-                      for _, w in live]
-            out, _ = self._run(chunks, hidden[index])
-            hidden = out
-            tokens = self.target.compute_logits(out).argmax(dim=1).tolist()
-            drafting = [w for _, w in live]
-            for w, t in zip(drafting, tokens):
-                drafts[w.seq_id].append(t)
-        return drafts
+            if len(live) < len(drafting):
+                (index,) = upload_int64([live], device)
+                hidden, tokens = hidden.index_select(0, index), tokens.index_select(0, index)
+                drafting = [drafting[i] for i in live]
+            # The token ids here are placeholders: the pass reads the drafts on the device.
+            chunks = [ChunkInput(w.seq_id, [0], _newest(w) + r, w.block_ids, True) for w in drafting]
+            _, positions, meta, _ = self.prepare_inputs(chunks, {})
+            hidden, tokens = self.mtp_pass(tokens, hidden, positions, meta, None)
+            passes.append(tokens)
+            seq_ids.append([w.seq_id for w in drafting])
+        flat = torch.cat(passes)
+        if flat.numel() == 0:
+            return PendingDrafts(seq_ids, torch.zeros(0, dtype=torch.long))
+        if not flat.is_cuda:
+            return PendingDrafts(seq_ids, flat)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingDrafts(seq_ids, host, ready)
+
+
+def _newest(w: MTPWork) -> int:
+    """Position of the sequence's newest token (its last pair)."""
+    return w.start + len(w.tokens) - 1

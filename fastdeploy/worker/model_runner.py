@@ -25,11 +25,12 @@ from fastdeploy.ops import pack_step_slots
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
 from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
-from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork
+from fastdeploy.spec_decode.mtp_pass import MTPPass
+from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.spec_decode.verification import accepted_counts
-from fastdeploy.worker.cuda_graph import CudaGraphRunner
+from fastdeploy.worker.cuda_graph import CudaGraphRunner, DecodeBuffers
 from fastdeploy.worker.device_inputs import upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
@@ -100,14 +101,15 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(cache_model_config, self.num_blocks + 1, self.block_size, self.dtype,
                                             self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            # A verifying step has a decode row per slot: 1 + drafts per sequence.
-            rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
-            self.cuda_graphs = CudaGraphRunner(
-                self.model, self.kv_caches, config.scheduler.max_num_seqs * rows_per_seq,
-                -(-config.scheduler.max_model_len // self.block_size), self.block_size,
-                pad_slot=self.num_blocks * self.block_size,
-            )  # fmt: skip
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # A verifying step has a decode row per slot: 1 + drafts per sequence; so has an MTP catch-up.
+        max_decode_rows = config.scheduler.max_num_seqs * (
+            1 + (config.speculative.num_speculative_tokens if config.speculative else 0))
+        max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
+        pad_slot = self.num_blocks * self.block_size
+        if use_graphs:
+            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, max_decode_rows, max_blocks_per_seq,
+                                               self.block_size, pad_slot)
             self.cuda_graphs.capture()
         self.sampler = Sampler()
         self._plan_encoder = msgspec.msgpack.Encoder()
@@ -121,8 +123,13 @@ class ModelRunner:
                                  self.device)
             one_layer = dataclasses.replace(self.model_config, num_hidden_layers=1)
             mtp_cache = allocate_kv_caches(one_layer, self.num_blocks + 1, self.block_size, self.dtype, self.device)[0]
-            self.mtp = MTPProposer(head, self.model, spec.num_speculative_tokens, mtp_cache, self.block_size,
-                                   self._prepare_inputs)
+            buffers = DecodeBuffers(max_decode_rows, max_blocks_per_seq, self.block_size, pad_slot, self.device) \
+                if use_graphs else None
+            mtp_pass = MTPPass(head, self.model, mtp_cache, buffers)
+            mtp_pass.capture()
+            self.mtp = MTPProposer(mtp_pass, spec.num_speculative_tokens, self.block_size, self._prepare_inputs)
+        # MTP: the last step's drafts, still on their way to the host, and the sequences they are for.
+        self._mtp_pending: tuple[PendingDrafts, list[int]] | None = None
         self.sequences: dict[int, WorkerSequence] = {}
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend == "xgrammar":
@@ -262,14 +269,26 @@ class ModelRunner:
                     [-1 if j == 0 else offset + j - 1 - start for j in range(first, last + 1)],
                     chunk.block_ids, chunk.sample and last == newest))
             offset += n
-        new_drafts = self.mtp.propose(work, hidden)
-        for chunk in chunks:
-            if chunk.sample:
-                self.sequences[chunk.seq_id].pending_drafts = new_drafts.get(chunk.seq_id, [])
+        # Read back when the next step needs them: meanwhile the GPU runs the passes.
+        self._mtp_pending = (self.mtp.propose(work, hidden), [c.seq_id for c in chunks if c.sample])
+
+    def _take_mtp_drafts(self) -> None:
+        """Hand the last step's MTP drafts to their sequences (one wait, one copy already made)."""
+        if self._mtp_pending is None:
+            return
+        pending, seq_ids = self._mtp_pending
+        self._mtp_pending = None
+        drafts = pending.resolve()
+        for seq_id in seq_ids:
+            state = self.sequences.get(seq_id)
+            if state is not None:  # not freed since
+                state.pending_drafts = drafts.get(seq_id, [])
 
     def _propose_drafts(self, chunks: list[ChunkInput]) -> dict[int, list[int]]:
         """Draft tokens per decoding sequence that has lookahead slots reserved (non-empty only)."""
         drafts = {}
+        if self.mtp is not None:
+            self._take_mtp_drafts()
         for chunk in chunks:
             if chunk.num_lookahead <= 0:
                 continue

@@ -11,6 +11,7 @@ from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import MTPHead, load_mtp_head, mtp_config, save_mtp_head
+from fastdeploy.spec_decode.mtp_proposer import PendingDrafts
 
 BS = 4
 
@@ -23,12 +24,13 @@ def _config() -> ModelConfig:
     )  # fmt: skip
 
 
-def _chunk_meta(start: int, length: int, table: torch.Tensor) -> AttentionMetadata:
-    """One sequence computing positions start..start+length-1 (a decode when length is 1)."""
+def _chunk_meta(start: int, length: int, table: torch.Tensor, as_rows: bool = False) -> AttentionMetadata:
+    """One sequence computing positions start..start+length-1: a prefill chunk, or (`as_rows`, or
+    length 1) decode rows, each attending to the cache up to its own position."""
     positions = torch.arange(start, start + length)
     slots = table[positions // BS] * BS + positions % BS
-    if length == 1:
-        return AttentionMetadata(slots, 1, table.unsqueeze(0), torch.tensor([start + 1]), [], BS)
+    if length == 1 or as_rows:
+        return AttentionMetadata(slots, length, table.repeat(length, 1), positions + 1, [], BS)
     return AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                              [PrefillSeq(0, length, start + length, table)], BS)
 
@@ -52,7 +54,22 @@ def test_paged_path_equals_dense_path():
             at = slice(start, start + n)
             paged.append(head(embeds[at], prev_hidden[at], torch.arange(start, start + n),
                               _chunk_meta(start, n, table), cache, target.model.norm))
-    torch.testing.assert_close(torch.cat(paged), dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat(paged), dense, atol=1e-5, rtol=1e-5)
+        # The serving layout of a step's catch-up: runs of pairs as decode rows in one batch.
+        cache.zero_()
+        paged = []
+        for start, n, as_rows in ((0, 5, False), (5, 3, True), (8, 1, False), (9, 3, True)):
+            at = slice(start, start + n)
+            paged.append(head(embeds[at], prev_hidden[at], torch.arange(start, start + n),
+                              _chunk_meta(start, n, table, as_rows), cache, target.model.norm))
+        torch.testing.assert_close(torch.cat(paged), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_pending_drafts_resolve_per_sequence_in_draft_order():
+    # Pass 0 drafted for sequences 7, 3, 9; pass 1 only for 9 and 7 (3 had no slot left).
+    pending = PendingDrafts([[7, 3, 9], [9, 7]], torch.tensor([70, 30, 90, 91, 71]))
+    assert pending.resolve() == {7: [70, 71], 3: [30], 9: [90, 91]}
+    assert PendingDrafts([], torch.zeros(0, dtype=torch.long)).resolve() == {}
 
 
 def test_save_load_round_trip_and_shape_check(tmp_path):

@@ -1,0 +1,77 @@
+"""One pass of the MTP module: rows (token j, hidden j-1) in; hidden j and the greedy draft for
+j+1 out, both left on the device.
+
+A pure decode batch (every row attends to the MTP cache up to its own position) replays a
+CUDA graph captured per padded batch size, like the target's decode steps; prefill and mixed
+passes, passes past the captured sizes, `--enforce-eager` and CPU run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
+from fastdeploy.model_executor.models.llama import LlamaForCausalLM
+from fastdeploy.model_executor.models.mtp import MTPHead
+from fastdeploy.worker.cuda_graph import DecodeBuffers, GraphRunner, capture_sizes
+
+
+class MTPPass:
+    def __init__(self, head: MTPHead, target: LlamaForCausalLM, kv_cache: torch.Tensor,
+                 buffers: DecodeBuffers | None = None) -> None:
+        """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly."""
+        self.head = head
+        self.target = target
+        self.kv_cache = kv_cache
+        self.buffers = buffers
+        self.graphs: GraphRunner[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if buffers is not None:
+            weight = target.model.embed_tokens.weight
+            self.prev_hidden = torch.zeros(buffers.capacity, target.config.hidden_size, dtype=weight.dtype,
+                                           device=weight.device)
+            self.graphs = GraphRunner(self._graph_forward, capture_sizes(buffers.capacity), "MTP")
+
+    def capture(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def _hidden(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        embeds = self.target.model.embed_tokens(input_ids)
+        return self.head(embeds, prev_hidden, positions, meta, self.kv_cache, self.target.model.norm)
+
+    def _draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden).argmax(dim=1)
+
+    def _graph_forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.buffers
+        hidden = self._hidden(b.input_ids[:batch], self.prev_hidden[:batch], b.positions[:batch], b.metadata(batch))
+        # Every row drafts: the rows that matter vary per step while the graph is fixed, and at
+        # these sizes the extra rows of the head's GEMM cost less than a second graph would.
+        return hidden, self._draft(hidden)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int64 [n]: token j per row
+        prev_hidden: torch.Tensor,  # [n, H]: hidden j-1 per row (target's or the MTP module's)
+        positions: torch.Tensor,  # int64 [n]: j
+        meta: AttentionMetadata,
+        draft_rows: torch.Tensor | None,  # int64 [d]: the rows whose drafts are wanted; None: all
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [d, H], draft tokens int64 [d]) of `draft_rows`, in fresh tensors that the next
+        pass does not overwrite."""
+        n = input_ids.shape[0]
+        if self.graphs is not None and self.buffers.fits(n, meta):
+            batch = self.graphs.padded_size(n)
+            self.buffers.load(input_ids, positions, meta, batch)
+            self.prev_hidden[:n].copy_(prev_hidden)
+            hidden, tokens = self.graphs.replay(batch)
+            if draft_rows is None:
+                return hidden[:n].clone(), tokens[:n].clone()
+            return hidden.index_select(0, draft_rows), tokens.index_select(0, draft_rows)
+        hidden = self._hidden(input_ids, prev_hidden, positions, meta)
+        if draft_rows is not None:
+            hidden = hidden.index_select(0, draft_rows)
+        if hidden.shape[0] == 0:  # a pass that only fills the MTP cache
+            return hidden, torch.zeros(0, dtype=torch.long, device=hidden.device)
+        return hidden, self._draft(hidden)
