@@ -165,3 +165,26 @@ def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
         )
         start = end
     return results
+
+
+def shorten_step_frame(frame: StepFrame, num_tokens: list[int]) -> StepFrame:
+    """The frame keeping only the first `num_tokens[b]` (<= frame.num_tokens[b]) tokens of each
+    sequence, on the host: how the worker ends a run its grammar completed or rejected after
+    the device had already packed the step."""
+    old = frame.num_tokens.astype(np.int64)
+    new = np.asarray(num_tokens, dtype=np.int64)
+    if new.shape != old.shape or (new < 0).any() or (new > old).any():
+        raise ValueError("num_tokens must lie in 0..frame.num_tokens per sequence")
+    starts = np.cumsum(old) - old
+    rows = np.repeat(starts, new) + np.arange(int(new.sum()), dtype=np.int64) - np.repeat(np.cumsum(new) - new, new)
+    out = StepFrame(frame.message_id, frame.seq_ids.copy(), new.astype(np.int32), frame.token_ids[rows])
+    if frame.lp_ids is not None:
+        out.lp_ids, out.lp_values, out.ranks = frame.lp_ids[rows], frame.lp_values[rows], frame.ranks[rows]
+    if frame.mask_offsets is not None:
+        offsets = frame.mask_offsets.astype(np.int64)
+        lengths = offsets[rows + 1] - offsets[rows]
+        out.mask_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(out.mask_offsets[:-1], lengths)
+        out.mask_ids = frame.mask_ids[np.repeat(offsets[rows], lengths) + within]
+        out.logz = frame.logz[rows]
+    return out

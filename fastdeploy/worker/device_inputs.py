@@ -1,4 +1,4 @@
-"""Moving a step's integer inputs to the device in one copy."""
+"""Moving a step's host-built arrays to the device in one copy that never waits for the GPU."""
 
 from __future__ import annotations
 
@@ -7,17 +7,32 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+_ALIGN = 8  # every array starts on an 8-byte boundary, so each byte slice can be viewed as its dtype
+
+
+def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Device tensors (flat views of one buffer), one per array, each keeping its dtype.
+
+    On CUDA the bytes go through pinned memory with a non-blocking copy: one transfer for the
+    lot, and the host does not wait for the GPU's queued work (a `torch.tensor(list,
+    device="cuda")` does). The pinned buffer comes from PyTorch's caching host allocator, which
+    does not hand it out again before the copy has completed.
+    """
+    parts = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
+    offsets = []
+    size = 0
+    for part in parts:
+        offsets.append(size)
+        size += -(-part.nbytes // _ALIGN) * _ALIGN
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw = host.numpy()
+    for part, start in zip(parts, offsets):
+        raw[start:start + part.nbytes] = part.view(np.uint8)
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return [flat[start:start + part.nbytes].view(torch.from_numpy(part[:0]).dtype)
+            for part, start in zip(parts, offsets)]
+
 
 def upload_int64(arrays: Sequence[Sequence[int] | np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 device tensors (views of one buffer), one per input array, in order.
-
-    On CUDA the buffer goes through pinned memory with a non-blocking copy: one transfer per step
-    instead of one per array, and none of them waits for the GPU to finish queued work.
-    """
-    parts = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    flat = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    return list(flat.split([p.size for p in parts]))
+    """int64 device tensors (views of one buffer), one per input array, in order."""
+    return upload([np.asarray(a, dtype=np.int64) for a in arrays], device)

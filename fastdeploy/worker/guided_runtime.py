@@ -123,9 +123,17 @@ class GuidedRuntime:
                 and boot.reasoning.prompt_ids_close_reasoning(prompt_token_ids):
             self.states[seq_id] = self._thinking.pop(seq_id).state
 
-    def bitmask(self, seq_ids: list[int]) -> torch.Tensor | None:
-        """int32 [B, ceil(V/32)] for the rows sampled this step; None when none is constrained."""
-        return fill_bitmasks([self.states.get(s) for s in seq_ids], self.vocab_size)
+    def bitmask(self, seq_ids: list[int], pinned: bool = False) -> torch.Tensor | None:
+        """int32 [B, ceil(V/32)] for the rows sampled this step; None when none is constrained.
+
+        pinned: fill page-locked memory, which a non-blocking copy takes to the GPU without
+        waiting for the GPU's queued work (the step fills this while the forward pass runs).
+        """
+        states = [self.states.get(s) for s in seq_ids]
+        out = None
+        if pinned and any(s is not None for s in states):
+            out = torch.empty(len(states), -(-self.vocab_size // 32), dtype=torch.int32, pin_memory=True)
+        return fill_bitmasks(states, self.vocab_size, out=out)
 
     def accept(self, seq_ids: list[int], runs: list[list[int]], events: WorkerEvents) -> list[int]:
         """Advance each sequence's matcher by its accepted tokens (one, or several with speculative

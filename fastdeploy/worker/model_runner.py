@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass, field
 
 import msgspec
-
 import numpy as np
 import torch
 
@@ -18,20 +17,19 @@ from fastdeploy.distributed.shard import local_config
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
-from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata, SamplerOutput
+from fastdeploy.model_executor.layers.sample.metadata import RowGroups, SamplerOutput, SamplingMetadata
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.model_executor.model_loader import get_model
-from fastdeploy.ops import pack_step_slots
-from fastdeploy.output.step_frame import StepFrame, pack_step_frame
-from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
+from fastdeploy.ops.step_packer import pack_step_slots_tensor, unpack_step_frame_op
+from fastdeploy.output.step_frame import StepFrame, pack_step_frame, shorten_step_frame
+from fastdeploy.output.step_slots import StepSlots
+from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.mtp_pass import MTPPass
 from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
-from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
-from fastdeploy.spec_decode.verification import accepted_counts
 from fastdeploy.worker.cuda_graph import CudaGraphRunner, DecodeBuffers
-from fastdeploy.worker.device_inputs import upload_int64
+from fastdeploy.worker.device_inputs import upload, upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
 from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
@@ -182,50 +180,46 @@ class ModelRunner:
         sampled_chunks = [c for c in chunks if c.sample]
         seq_ids = [c.seq_id for c in sampled_chunks]
         slot_drafts = [drafts.get(seq_id, []) for seq_id in seq_ids]
-        # The bitmask depends only on tokens accepted so far and the drafts: fill it before
-        # the forward pass, so on a GPU the CPU work overlaps the model.
-        bitmask = None
-        if self.guided is not None and seq_ids:
-            if drafts:
-                bitmask = fill_draft_bitmasks([self.guided.states.get(s) for s in seq_ids], slot_drafts,
-                                              self.model_config.vocab_size)
-            else:
-                bitmask = self.guided.bitmask(seq_ids)
         if tp_size() > 1:
             broadcast_bytes(self._plan_encoder.encode(ForwardPlan(chunks, drafts)))
         input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(chunks, drafts)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
-            hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
-        else:
-            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+        hidden = self._forward(input_ids, positions, attn_metadata)
         if not sampled_chunks:
             if self.mtp is not None:
                 self._mtp_step(chunks, hidden, {}, drafts)
             return pack_step_frame(_empty_frame(step.message_id)), events
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float()
+        # Everything up to the pack is queued on the device without waiting for it: the host
+        # builds the sampler's inputs and fills the grammar bitmask while the GPU runs the model.
+        logits = self.model.compute_logits(_rows(hidden, sample_rows, self.device)).float()
         states = [self.sequences[seq_id] for seq_id in seq_ids]
         metadata = self._sampling_metadata(_slot_states(states, slot_drafts) if drafts else states)
-        metadata.token_bitmask = bitmask
+        metadata.token_bitmask = self._bitmask(seq_ids, slot_drafts, bool(drafts))
         output = self.sampler(logits, metadata)
-        sampled = output.sampled_token_ids.tolist()
-        counts = accepted_counts(sampled, slot_drafts)
-        slot_starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))
-        runs = [sampled[start:start + n] for start, n in zip(slot_starts, counts)]
+        # The step's one synchronisation: the packer's copy of the frame to the host.
+        packed = pack_step_slots_tensor(_step_slots(step.message_id, seq_ids, slot_drafts, output))
+        frame = unpack_step_frame_op(packed)
+        counts = frame.num_tokens.tolist()
+        tokens = frame.token_ids.tolist()
+        slot_starts = list(itertools.accumulate(counts, initial=0))
+        runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts)]
+        result = packed.numpy().tobytes()
         if self.guided is not None:
-            # A grammar that completes inside a run ends it there.
-            counts = self.guided.accept(seq_ids, runs, events)
-            runs = [run[:n] for run, n in zip(runs, counts)]
+            # A grammar that completes inside a run ends it there; rare, so the packed frame is
+            # shortened on the host rather than packed again on the device.
+            kept = self.guided.accept(seq_ids, runs, events)
+            if kept != counts:
+                result = pack_step_frame(shorten_step_frame(frame, kept))
+                runs = [run[:n] for run, n in zip(runs, kept)]
+                counts = kept
         for state, run in zip(states, runs):
             state.output_token_ids.extend(run)
         if drafts:
             events.num_verified_sequences = len(drafts)
             events.num_draft_tokens = sum(len(d) for d in slot_drafts)
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, slot_drafts) if d)
-        frame = pack_step_slots(_step_slots(step.message_id, seq_ids, counts, [len(d) + 1 for d in slot_drafts],
-                                            output))
         if self.mtp is not None:
             self._mtp_step(chunks, hidden, dict(zip(seq_ids, counts)), drafts)
-        return frame, events
+        return result, events
 
     def follow(self) -> bool:
         """Ranks > 0: run the forward passes rank 0 plans, taking part in their collectives.
@@ -236,13 +230,35 @@ class ModelRunner:
         plan = self._plan_decoder.decode(payload)
         with torch.inference_mode():
             input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(plan.chunks, plan.drafts)
-            if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
-                hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
-            else:
-                hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+            hidden = self._forward(input_ids, positions, attn_metadata)
             if sample_rows:
-                self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+                self.model.compute_logits(_rows(hidden, sample_rows, self.device))
         return True
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the step's tokens; on CUDA only queued (a graph replay or eager kernels)."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
+            return self.cuda_graphs.run(input_ids, positions, attn_metadata)
+        return self.model(input_ids, positions, attn_metadata, self.kv_caches)
+
+    def _bitmask(self, seq_ids: list[int], slot_drafts: list[list[int]], drafted: bool) -> torch.Tensor | None:
+        """The step's grammar bitmask on the device (None when no row is constrained).
+
+        Filled on the host after the forward pass was queued, so on a GPU the fill overlaps the
+        model; the pinned copy does not wait for the GPU either."""
+        if self.guided is None:
+            return None
+        if drafted:
+            bitmask = fill_draft_bitmasks([self.guided.states.get(s) for s in seq_ids], slot_drafts,
+                                          self.model_config.vocab_size)
+            if bitmask is not None and self.device.type == "cuda":
+                bitmask = bitmask.pin_memory()
+        else:
+            bitmask = self.guided.bitmask(seq_ids, pinned=self.device.type == "cuda")
+        if bitmask is None or self.device.type != "cuda":
+            return bitmask
+        return bitmask.to(self.device, non_blocking=True)
 
     def stop_followers(self) -> None:
         """Rank 0: release the other ranks' `follow` loops."""
@@ -355,50 +371,77 @@ class ModelRunner:
         return ids_d, positions_d, metadata, sample_rows
 
     def _sampling_metadata(self, states: list[WorkerSequence]) -> SamplingMetadata:
-        dev = self.device
+        """The sampler's per-row inputs, built on the host and moved in one non-blocking copy."""
         params = [s.params for s in states]
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        needs_history = any(p.has_penalties for p in params)
+        temperature = np.array([p.temperature for p in params], dtype=np.float32)
+        top_k = np.array([p.effective_top_k for p in params], dtype=np.int64)
+        top_p = np.array([p.top_p for p in params], dtype=np.float32)
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)
+        # The row split the sampler would otherwise find with nonzero() on the device.
+        greedy = temperature <= 0
+        truncated = ~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+        groups = [np.flatnonzero(m).astype(np.int64) for m in (greedy, truncated, ~greedy & ~truncated)]
+        columns = [temperature, top_k, top_p, min_p, *groups,
+                   np.array([p.repetition_penalty for p in params], dtype=np.float32),
+                   np.array([p.presence_penalty for p in params], dtype=np.float32),
+                   np.array([p.frequency_penalty for p in params], dtype=np.float32)]
+        # Optional inputs follow, each present only when some row needs it.
+        wants_mask = np.array([s.return_sampling_mask for s in states], dtype=np.bool_)
+        if wants_mask.any():
+            columns.append(wants_mask)
+        histories = None
+        if any(p.has_penalties for p in params):
+            histories = [_padded([s.prompt_token_ids for s in states]), _padded([s.output_token_ids for s in states])]
+            columns.extend(histories)
+        bias = [(row, int(token_id), value) for row, p in enumerate(params) for token_id, value in p.logit_bias.items()]
+        if bias:
+            rows, cols, values = zip(*bias)
+            columns += [np.array(rows, np.int64), np.array(cols, np.int64), np.array(values, np.float32)]
+        on_device = iter(upload(columns, self.device))
+        t, k, p_, m, g_rows, t_rows, p_rows, rep, pres, freq = (next(on_device) for _ in range(10))
+        mask = next(on_device) if wants_mask.any() else None
         prompt_ids = output_ids = None
-        if needs_history:
-            prompt_ids = _pad([s.prompt_token_ids for s in states], dev)
-            output_ids = _pad([s.output_token_ids for s in states], dev)
-        bias_rows, bias_cols, bias_values = [], [], []
-        for row, p in enumerate(params):
-            for token_id, bias in p.logit_bias.items():
-                bias_rows.append(row)
-                bias_cols.append(int(token_id))
-                bias_values.append(bias)
-        has_bias = bool(bias_rows)
+        if histories is not None:
+            prompt_ids, output_ids = (next(on_device).view(h.shape) for h in histories)
+        bias_rows, bias_cols, bias_values = (next(on_device) for _ in range(3)) if bias else (None, None, None)
         wants_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        wants_mask = [s.return_sampling_mask for s in states]
         return SamplingMetadata(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.effective_top_k for p in params], torch.long),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
+            temperature=t,
+            top_k=k,
+            top_p=p_,
+            min_p=m,
+            repetition_penalty=rep,
+            presence_penalty=pres,
+            frequency_penalty=freq,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
-            logit_bias_rows=column(bias_rows, torch.long) if has_bias else None,
-            logit_bias_cols=column(bias_cols, torch.long) if has_bias else None,
-            logit_bias_values=column(bias_values, torch.float32) if has_bias else None,
+            logit_bias_rows=bias_rows,
+            logit_bias_cols=bias_cols,
+            logit_bias_values=bias_values,
             generators=[s.generator for s in states],
             max_num_logprobs=max(wants_logprobs, default=-1),
             logprobs_mode=self.config.logprobs_mode,
-            return_sampling_mask=column(wants_mask, torch.bool) if any(wants_mask) else None,
-            uses_top_p=any(p.top_p < 1.0 for p in params),
+            return_sampling_mask=mask,
+            uses_top_p=bool((top_p < 1.0).any()),
+            row_groups=RowGroups(g_rows, t_rows, p_rows, tuple(g.tolist() for g in groups)),
         )
 
 
-def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+def _padded(rows: list[list[int]]) -> np.ndarray:
+    """int64 [len(rows), width], right-padded with -1."""
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def _rows(hidden: torch.Tensor, sample_rows: list[int], device: torch.device) -> torch.Tensor:
+    """hidden[sample_rows]; a decode step samples every row in order and needs no gather."""
+    if sample_rows == list(range(hidden.shape[0])):
+        return hidden
+    index, = upload_int64([sample_rows], device)
+    return hidden[index]
 
 
 def _empty_frame(message_id: int) -> StepFrame:
@@ -433,22 +476,44 @@ def _token_range(state: WorkerSequence, start: int, end: int) -> list[int]:
     return prompt[start:end] + output[:max(0, end - n)]
 
 
-def _step_slots(message_id: int, seq_ids: list[int], counts: list[int], slot_counts: list[int],
-                out: SamplerOutput) -> StepSlots:
+def _step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]], out: SamplerOutput) -> StepSlots:
     """The sampler's rows (each sequence's verified slots, one after another) as the [B, S] slot
-    layout the packer op reads; slots a sequence did not verify are padding and never accepted."""
-    device = out.sampled_token_ids.device
-    width = max(slot_counts)
-    starts = list(itertools.accumulate(slot_counts, initial=0))[:-1]
-    index = [[start + j if j < n else -1 for j in range(width)] for start, n in zip(starts, slot_counts)]
-    index = torch.tensor(index, dtype=torch.long, device=device)
-    valid = index >= 0
-    rows = index.clamp(min=0)
+    layout the packer op reads, with the accept counts decided on the device: a sequence keeps
+    its drafts up to the first one its own sample disagrees with, plus that sample. Slots a
+    sequence did not verify are padding and never accepted."""
+    sampled = out.sampled_token_ids
+    device = sampled.device
+    batch = len(seq_ids)
+    width = 1 + max(len(d) for d in slot_drafts)
+    if width == 1:  # no drafts: row b is slot (b, 0), every slot is accepted
+        seq_ids_d, = upload_int64([seq_ids], device)
+        slots = StepSlots(message_id=message_id, seq_ids=seq_ids_d,
+                          accept_counts=torch.ones(batch, dtype=torch.int32, device=device),
+                          token_ids=sampled.view(batch, 1),
+                          num_logprobs=-1 if out.logprobs is None else out.logprobs.shape[1] - 1)
+        if out.logprobs is not None:
+            slots.lp_ids, slots.lp_values = out.logprob_token_ids.unsqueeze(1), out.logprobs.unsqueeze(1)
+            slots.ranks = out.sampled_token_ranks.view(batch, 1)
+        if out.mask_offsets is not None:
+            slots.mask_offsets, slots.mask_ids, slots.logz = out.mask_offsets, out.mask_ids, out.logz.view(batch, 1)
+        return slots
+    starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
+    index = np.full((batch, width), -1, dtype=np.int64)
+    drafted = np.full((batch, width - 1), -1, dtype=np.int64)  # -1 never equals a sampled token
+    for b, (start, draft) in enumerate(zip(starts, slot_drafts)):
+        index[b, :len(draft) + 1] = np.arange(start, start + len(draft) + 1)
+        drafted[b, :len(draft)] = draft
+    seq_ids_d, index_d, drafted_d = upload_int64([seq_ids, index, drafted], device)
+    index_d, drafted_d = index_d.view(batch, width), drafted_d.view(batch, width - 1)
+    valid = index_d >= 0
+    rows = index_d.clamp(min=0)
+    tokens = sampled[rows]
+    agree = (tokens[:, :-1] == drafted_d).to(torch.int32)
     slots = StepSlots(
         message_id=message_id,
-        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device=device),
-        accept_counts=torch.tensor(counts, dtype=torch.int32, device=device),
-        token_ids=out.sampled_token_ids[rows],
+        seq_ids=seq_ids_d,
+        accept_counts=(1 + agree.cumprod(dim=1).sum(dim=1)).to(torch.int32),
+        token_ids=tokens,
         num_logprobs=-1 if out.logprobs is None else out.logprobs.shape[1] - 1,
     )
     if out.logprobs is not None:

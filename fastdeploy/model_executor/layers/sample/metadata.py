@@ -8,6 +8,21 @@ import torch
 
 
 @dataclass
+class RowGroups:
+    """The batch's rows split by how they draw, decided on the host from the request parameters
+    so the sampler needs no `nonzero()` (a host-device synchronisation on CUDA) to find them.
+
+    Each is an int64 index tensor on the logits' device, ascending; together they cover every
+    row once.
+    """
+
+    greedy: torch.Tensor  # temperature <= 0
+    truncated: torch.Tensor  # not greedy, and top_k > 0, top_p < 1 or min_p > 0
+    plain: torch.Tensor  # neither: a draw over the whole vocabulary
+    host: tuple[list[int], list[int], list[int]]  # the same three, as host lists
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling parameters for a batch of B rows, as tensors on the logits' device."""
 
@@ -37,6 +52,8 @@ class SamplingMetadata:
     # Whether any row has top_p < 1, decided on the host so the sampler need not read
     # top_p back from the device; True when unknown (it only costs the top-p search).
     uses_top_p: bool = True
+    # Row split known on the host; None makes the sampler derive it on the device.
+    row_groups: RowGroups | None = None
 
 
 @dataclass

@@ -74,6 +74,12 @@ def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
+def _may_be_set(flags: torch.Tensor) -> bool:
+    """Whether any flag is set. On CUDA taken as yes without looking: reading it back would wait
+    for the GPU, and a penalty whose parameter is off is an exact no-op (x / 1, x * 1, x - 0)."""
+    return flags.is_cuda or bool(flags.any())
+
+
 def apply_penalties_(
     logits: torch.Tensor,
     prompt_token_ids: torch.Tensor | None,
@@ -99,7 +105,7 @@ def apply_penalties_(
 
     if prompt_token_ids is not None or out_counts is not None:
         rep = repetition_penalty.to(logits.dtype).unsqueeze(1)
-        if bool((rep != 1.0).any()):
+        if _may_be_set(rep != 1.0):
             seen = out_counts > 0 if out_counts is not None else None
             if prompt_token_ids is not None:
                 prompt_seen = token_counts(prompt_token_ids, vocab) > 0
@@ -110,7 +116,7 @@ def apply_penalties_(
     if out_counts is not None:
         freq = frequency_penalty.to(logits.dtype).unsqueeze(1)
         pres = presence_penalty.to(logits.dtype).unsqueeze(1)
-        if bool((freq != 0).any()) or bool((pres != 0).any()):
+        if _may_be_set((freq != 0) | (pres != 0)):
             c = out_counts.to(logits.dtype)
             logits.sub_(freq * c + pres * (out_counts > 0).to(logits.dtype))
     return logits

@@ -65,17 +65,22 @@ def gumbel_noise(
     generators: list[torch.Generator | None],
     device: torch.device,
     idx: torch.Tensor | None = None,
+    row_list: list[int] | None = None,
 ) -> torch.Tensor:
     """Standard Gumbel noise for ``rows``: float32 [n, V], or [n, W] at ids ``idx`` (int64 [n, W]).
 
     Seeded rows (``generators[row]`` not None) always draw exactly V uniforms from
     their own generator (gathered at ``idx`` if given), so their noise per token is
     independent of batch composition. Unseeded rows share one batched draw from the
-    default generator, of only W values when ``idx`` is given.
+    default generator, of only W values when ``idx`` is given. ``row_list`` is ``rows`` on
+    the host where the caller has it (reading it back from the device would synchronise).
     """
     n = rows.numel()
     width = vocab_size if idx is None else idx.shape[1]
-    row_list = rows.tolist()
+    if all(g is None for g in generators):
+        return _gumbel(torch.rand(n, width, device=device))
+    if row_list is None:
+        row_list = rows.tolist()
     seeded = [i for i, r in enumerate(row_list) if generators[r] is not None]
     if not seeded:
         u = torch.rand(n, width, device=device)
@@ -88,8 +93,23 @@ def gumbel_noise(
         for i in seeded:
             full = torch.rand(vocab_size, device=device, generator=generators[row_list[i]])
             u[i] = full if idx is None else full[idx[i]]
-    # g = -log(-log u). u == 0 gives g = -inf: that token just loses (probability 2^-24).
+    return _gumbel(u)
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """g = -log(-log u), in place. u == 0 gives g = -inf: that token just loses (probability 2^-24)."""
     return u.log_().neg_().log_().neg_()
+
+
+def _row_groups(meta: SamplingMetadata, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy, truncating and plain rows (int64 index tensors): the host's split where given,
+    else derived on the device (three `nonzero()` calls, each a synchronisation on CUDA)."""
+    if meta.row_groups is not None:
+        return meta.row_groups.greedy, meta.row_groups.truncated, meta.row_groups.plain
+    greedy = temperature <= 0
+    trunc = truncation_flags(meta.top_k, meta.top_p, meta.min_p).to(temperature.device) & ~greedy
+    plain = ~greedy & ~trunc
+    return tuple(m.nonzero().squeeze(1) for m in (greedy, trunc, plain))
 
 
 def _gather_log_probs(lp: torch.Tensor, sampled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,10 +156,8 @@ class Sampler:
 
         proc = process_logits(logits, meta)  # float32 [B, V]
         temperature = meta.temperature.to(device)
-        greedy = temperature <= 0
-        trunc = truncation_flags(meta.top_k, meta.top_p, meta.min_p).to(device) & ~greedy
-        plain = ~greedy & ~trunc
-        g_rows, t_rows, p_rows = (m.nonzero().squeeze(1) for m in (greedy, trunc, plain))
+        g_rows, t_rows, p_rows = _row_groups(meta, temperature)
+        _, t_host, p_host = meta.row_groups.host if meta.row_groups is not None else (None, None, None)
         want_mask = meta.return_sampling_mask is not None
         requested = meta.return_sampling_mask.to(device=device, dtype=torch.bool) if want_mask else None
 
@@ -159,7 +177,8 @@ class Sampler:
                 uses_top_p=meta.uses_top_p,
             )
             x_t = apply_temperature(proc_t, temperature[t_rows])  # float32 [T, V]
-            scores = (x_t + gumbel_noise(t_rows, v, meta.generators, device)).masked_fill_(~kept.mask, NEG_INF)
+            noise = gumbel_noise(t_rows, v, meta.generators, device, row_list=t_host)
+            scores = (x_t + noise).masked_fill_(~kept.mask, NEG_INF)
             sampled[t_rows] = scores.argmax(dim=1)
         elif t_rows.numel():
             proc_t = take_rows(proc, t_rows)
@@ -172,7 +191,7 @@ class Sampler:
                 want_lse=requested[t_rows] if want_mask else None,
             )
             x_t = proc_t.gather(1, win.idx) / temperature[t_rows].unsqueeze(1)  # float32 [T, W]
-            scores = x_t + gumbel_noise(t_rows, v, meta.generators, device, idx=win.idx)
+            scores = x_t + gumbel_noise(t_rows, v, meta.generators, device, idx=win.idx, row_list=t_host)
             scores.masked_fill_(~win.keep, NEG_INF)
             sampled[t_rows] = win.idx.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
 
@@ -180,7 +199,7 @@ class Sampler:
         x_p = None
         if p_rows.numel():
             x_p = apply_temperature(take_rows(proc, p_rows), temperature[p_rows])
-            scores = x_p + gumbel_noise(p_rows, v, meta.generators, device)
+            scores = x_p + gumbel_noise(p_rows, v, meta.generators, device, row_list=p_host)
             sampled[p_rows] = scores.argmax(dim=1)
 
         out = SamplerOutput(
