@@ -141,8 +141,8 @@ if triton is not None:
         jj = tl.arange(0, P)
         offs = tl.arange(0, BLOCK)
         frac = jj.to(tl.float64) / (P - 1)
-        n = 0
-        single = 0
+        n = tl.zeros((), dtype=tl.int32)
+        single = tl.zeros((), dtype=tl.int32)
         while (n_a - n_b > C) & (single == 0) & (n < MAX_PASSES):
             lo64 = tl.maximum(a, -3.4028234663852886e38).to(tl.float64)
             pv = (lo64 + (b.to(tl.float64) - lo64) * frac).to(tl.float32)
@@ -199,7 +199,7 @@ if triton is not None:
         ``_fkey(x) << 32 | (V - 1 - id)`` (descending key = the reference's order)."""
         offs = tl.arange(0, BLOCK)
         mass = tl.zeros([BLOCK], dtype=tl.float64)
-        base = 0
+        base = tl.zeros((), dtype=tl.int32)
         for i in range(0, V, BLOCK):
             o = i + offs
             x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
@@ -241,8 +241,8 @@ if triton is not None:
     def _nth_equal(xrow, V, v, bv, bid, c, BLOCK: tl.constexpr):
         """Id of the c-th (0-based, ascending id) prefix entry equal to v."""
         offs = tl.arange(0, BLOCK)
-        run = 0
-        found = -1
+        run = tl.zeros((), dtype=tl.int32)
+        found = tl.full((), -1, tl.int32)
         for i in range(0, V, BLOCK):
             o = i + offs
             x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
