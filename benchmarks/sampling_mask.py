@@ -1,15 +1,18 @@
 """Sampling mask: kept-set kernel time vs the full sort, and decode throughput with the mask on vs off.
 
     python benchmarks/sampling_mask.py [--device cpu|cuda] [--skip-kernel] [--skip-e2e]
-        [--e2e-model PATH --e2e-load-format dummy --e2e-dtype bfloat16] [--e2e-batches 8]
+        [--e2e-model embedded|PATH --e2e-load-format dummy --e2e-dtype bfloat16] [--e2e-batches 64 256]
 
 Kernel: for B in {1, 32, 256} x V in {49152, 151936}, the kept set of every row with
 its CSR compaction and the copy of offsets / ids / logZ to the host, by
 
-* "fast": `kept_set_gpu.kept_set` (CUDA: the sort-free Triton search; CPU: the
-  windowed partial sort of `truncation.py`), then `mask_to_csr`;
+* "fast": CUDA: `kept_set_gpu.kept_set_csr` (one Triton program per row finds the
+  kept prefix, a second kernel writes the CSR ids); CPU: the windowed partial sort of
+  `truncation.py`, then CSR by a nonzero;
 * "full sort": `reference.kept_set_full_sort` (stable sort of every row, float64
-  running sum), then `mask_to_csr`;
+  running sum), then CSR by a nonzero;
+
+"masks_equal": both give the same CSR (offsets and ids).
 
 next to the memory floor: reading the B x V float32 logits once (B·V·4 bytes) at the
 device bandwidth measured here (a large copy, bytes read + written). Logits are
@@ -19,8 +22,8 @@ tens of thousands). Wall ms per call, synchronised, median.
 End to end: decode throughput of one engine started with --enable-keep-sampling-mask,
 alternating runs whose requests ask for the mask and runs whose requests opt out
 (`return_sampling_mask: false`, so the worker computes nothing for it, as without the
-flag), several times, median tok/s of each. Default: the embedded model on CPU; for the
-GPU, a config file with --e2e-load-format dummy.
+flag), several times, median tok/s of each. Default: the embedded model (CPU or CUDA:
+--e2e-model embedded); a 7B-shape config with --e2e-load-format dummy on the GPU.
 
 Writes benchmarks/results/sampling_mask_<device>.json and .png.
 """
@@ -28,6 +31,7 @@ Writes benchmarks/results/sampling_mask_<device>.json and .png.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -40,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg  # noqa: E402
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort  # noqa: E402
+from fastdeploy.model_executor.layers.sample.truncation import kept_logz, kept_window  # noqa: E402
 
 BATCHES = (1, 32, 256)
 VOCABS = (49152, 151936)
@@ -82,9 +87,32 @@ def bandwidth_gbs(device: torch.device) -> float:
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
+def _csr_of_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [R, V] -> (offsets int32 [R+1], ids int32 [M]) by a device nonzero."""
+    offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(mask.sum(dim=1), dim=0, out=offsets[1:])
+    return offsets.to(torch.int32), mask.nonzero()[:, 1].to(torch.int32)
+
+
+def _window_csr(x, t, k, p, mp):
+    """The CPU path: the windowed partial sort of `truncation.kept_window`, then CSR."""
+    win = kept_window(x, t, k, p, mp, want_lse=torch.ones(x.shape[0], dtype=torch.bool))
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    keep = win.keep & (win.x > -math.inf)
+    rows = torch.arange(x.shape[0]).unsqueeze(1).expand_as(keep)
+    mask[rows[keep], win.idx[keep]] = True
+    return (*_csr_of_mask(mask), kept_logz(win))
+
+
+def _full_sort_csr(x, t, k, p, mp):
+    ks = kept_set_full_sort(x, t, k, p, mp)
+    return (*_csr_of_mask(ks.mask), ks.logz)
+
+
 def kernel_grid(device: torch.device, reps: int, budget_s: float) -> list[dict]:
     bw = bandwidth_gbs(device)
     print(f"measured bandwidth: {bw:.0f} GB/s")
+    fast_csr = ksg.kept_set_csr if ksg.uses_fast_path(device) else _window_csr
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, (scale, t, k, p, mp) in KERNEL_CONFIGS.items():
@@ -93,19 +121,17 @@ def kernel_grid(device: torch.device, reps: int, budget_s: float) -> list[dict]:
                 x = torch.randn(b, v, device=device, generator=gen) * scale
                 params = [torch.full((b,), t, device=device), torch.full((b,), k, dtype=torch.int64, device=device),
                           torch.full((b,), p, device=device), torch.full((b,), mp, device=device)]
-                uses_top_p = p < 1.0
 
-                def csr_to_host(ks):
-                    offsets, ids = ksg.mask_to_csr(ks.mask)
-                    return offsets.cpu(), ids.cpu(), ks.logz.float().cpu()
+                def to_host(csr):
+                    offsets, ids, logz = csr
+                    return offsets.cpu(), ids.cpu(), logz.float().cpu()
 
-                fast = lambda: csr_to_host(ksg.kept_set(x, *params, uses_top_p=uses_top_p))  # noqa: E731
-                full = lambda: csr_to_host(kept_set_full_sort(x, *params))  # noqa: E731
-                got, want = ksg.kept_set(x, *params, uses_top_p=uses_top_p), kept_set_full_sort(x, *params)
-                same = bool(torch.equal(got.mask, want.mask))
-                logz_err = float((got.logz - want.logz).abs().max())
-                kept = float(got.count.float().mean())
-                del got, want
+                fast = lambda: to_host(fast_csr(x, *params))  # noqa: E731
+                full = lambda: to_host(_full_sort_csr(x, *params))  # noqa: E731
+                (go, gi, gl), (wo, wi, wl) = fast(), full()
+                same = bool(torch.equal(go, wo) and torch.equal(gi, wi))
+                logz_err = float((gl.double() - wl.double()).abs().max())
+                kept = float(go.diff().float().mean())
                 fast_ms = median_ms(fast, device, reps, budget_s)
                 full_ms = median_ms(full, device, reps, budget_s)
                 floor_ms = b * v * 4 / (bw * 1e9) * 1e3
@@ -129,7 +155,8 @@ def e2e(args, device: str) -> list[dict]:
     from fastdeploy.engine.sampling_params import SamplingParams
 
     max_b = max(args.e2e_batches)
-    engine_args = EngineArgs(model=args.e2e_model, load_format=args.e2e_load_format, dtype=args.e2e_dtype,
+    model = None if args.e2e_model == "embedded" else args.e2e_model
+    engine_args = EngineArgs(model=model, load_format=args.e2e_load_format, dtype=args.e2e_dtype,
                              device=device, max_num_seqs=max_b, max_model_len=512,
                              max_num_batched_tokens=max(2048, max_b * args.prompt_len),
                              enable_keep_sampling_mask=True)
@@ -218,7 +245,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
-    ap.add_argument("--e2e-model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--e2e-model", default="embedded",
+                    help="'embedded' (SmolLM2-135M-Instruct, default) or a model path / config for dummy weights")
     ap.add_argument("--e2e-load-format", default="auto")
     ap.add_argument("--e2e-dtype", default="float32")
     ap.add_argument("--e2e-batches", type=int, nargs="+", default=[8])

@@ -1,10 +1,11 @@
 """The sort-free kept set (`kept_set_gpu`) vs the float64 references.
 
-CPU (CI): the Triton kernels run in Triton's interpreter (a copy of the module loaded
-with ``triton.knobs.runtime.interpret`` on) against the per-row float64 reference.
-GPU (`gpu` marker, needs CUDA): `kept_set` on the device produces the same masks as
-the vectorised float64 full sort on the CPU for B in {1, 32, 256}, V in {49152,
-151936}, and the sampler's CUDA branch keeps every sampled token inside its mask.
+CPU (CI): the Triton kernels run in Triton's interpreter (a child process with
+TRITON_INTERPRET=1, CPU tensors) against the per-row float64 reference.
+GPU (`gpu` marker, needs CUDA): `kept_set` and `kept_set_csr` on the device produce
+the same masks as the vectorised float64 full sort on the CPU for B in {1, 32, 256},
+V in {49152, 151936}, and the sampler's CUDA branch keeps every sampled token inside
+its mask.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sampler_test_utils import csr_row, make_meta
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import Sampler, process_logits
+from fastdeploy.model_executor.layers.sample.truncation import KeptSet
 
 LOGZ_TOL = 1e-5
 TEMPS = [0.3, 0.7, 1.0, 1.0, 1.5]
@@ -86,38 +88,62 @@ def _same_except_ties(a: torch.Tensor, b: torch.Tensor, tied: set[int]) -> None:
 # ------------------------------------------------------------------ CPU (CI)
 
 
-def _interpreted_kept_set(x, t, k, p, mp):
-    """The Triton path, with unsettled rows redone by the full sort like `kept_set`."""
-    ks, failed = ksg._triton_kept_set(x, t, k, p, mp, uses_top_p=True)
-    rows = failed.nonzero().squeeze(1)
-    if rows.numel():
-        fs = kept_set_full_sort(x[rows], t[rows], k[rows], p[rows], mp[rows])
-        ks.mask[rows], ks.count[rows], ks.logz[rows] = fs.mask, fs.count, fs.logz
-    return ks, failed
+def _kernel_kept_set(x, t, k, p, mp) -> KeptSet:
+    """The kernel's bounds as a dense mask; asserts no row was flagged and the CSR agrees."""
+    b = ksg.kept_bounds(x, t, k, p, mp)
+    assert int(b.failed.sum()) == 0, b.failed.nonzero().squeeze(1).tolist()
+    mask = ksg.dense_mask(x, b.value, b.last_id)
+    offsets, ids, logz = ksg.kept_set_csr(x, t, k, p, mp)
+    assert torch.equal(offsets.diff().cpu(), b.count.cpu())
+    assert torch.equal(ids.long().cpu(), mask.nonzero()[:, 1].cpu())  # row-major: the CSR order
+    assert torch.equal(logz, b.logz)
+    return KeptSet(mask, b.count, b.logz)
 
 
-def interpreted_case(rows: int, v: int, seed: int) -> None:
-    """Runs in a TRITON_INTERPRET=1 process (see `_in_interpreter`)."""
+def interpreted_case(rows: int, v: int, seed: int, candidates: int) -> None:
+    """Runs in a TRITON_INTERPRET=1 process (see `_in_interpreter`). A small candidate
+    buffer makes the narrowing passes, the tie runs and the bit-pattern pivots run at a
+    vocabulary the interpreter gets through in seconds."""
+    ksg.CANDIDATES = candidates
     rng = np.random.default_rng(seed)
     x, t, k, p, mp = _random_rows(rng, rows, v, flat_share=0.3)
-    ks, failed = _interpreted_kept_set(x, t, k, p, mp)
+    _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
+
+
+def interpreted_edge_rows() -> None:
+    """finfo.min used as a mask, coarse ties, -inf tails, all -inf, all equal, top_p near 1."""
+    ksg.CANDIDATES = 16
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy((rng.standard_normal((9, 600)) * 3).astype(np.float32))
+    x[0:2, ::3] = torch.finfo(torch.float32).min
+    x[2:4] = torch.round(x[2:4] * 2) / 2
+    x[4, 100:] = -math.inf
+    x[5] = -math.inf
+    x[6] = 1.0
+    t = torch.tensor([1.0, 0.5, 1.0, 2.0, 1.0, 1.0, 1.0, 0.7, 1.0])
+    k = torch.tensor([40, 0, 100, 0, 0, 3, 0, 0, 600])
+    p = torch.tensor([1.0, 0.9999999, 0.9, 0.3, 0.99, 0.5, 0.5, 0.9999999, 1.0])
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.2, 1e-9, 0.0])
+    ks = _kernel_kept_set(x, t, k, p, mp)
     _check_rows(x, t, k, p, mp, ks)
-    # the full-sort fallback is for rare rows (here: the all-equal row)
-    assert int(failed.sum()) <= 1, failed.nonzero().squeeze(1).tolist()
+    assert int(ks.count[5]) == 0 and float(ks.logz[5]) == -math.inf
+    assert int(ks.count[8]) == 600 and float(ks.logz[8]) == 0.0  # top_k >= V truncates nothing
 
 
 def interpreted_ties() -> None:
     x = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0], [3.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
     one = lambda val, dt: torch.tensor([val, val], dtype=dt)  # noqa: E731
     t, mp = one(1.0, torch.float32), one(0.0, torch.float32)
-    ks, _ = _interpreted_kept_set(x, t, one(2, torch.int64), one(1.0, torch.float32), mp)
+    ks = _kernel_kept_set(x, t, one(2, torch.int64), one(1.0, torch.float32), mp)
     assert ks.mask[0].nonzero().squeeze(1).tolist() == [1, 2]
     assert ks.mask[1].nonzero().squeeze(1).tolist() == [0, 1]
     # top-p through a run of equal logits: the running sum keeps the first ids
-    ks, _ = _interpreted_kept_set(x, t, one(0, torch.int64), one(0.97, torch.float32), mp)
-    for r in range(2):
-        ref = reference_kept_set(x[r].numpy(), 1.0, 0, 0.97, 0.0)
-        assert ks.mask[r].nonzero().squeeze(1).tolist() == ref.ids.tolist()
+    for candidates in (16, 2):  # sorted candidates, then the scan of a tie run
+        ksg.CANDIDATES = candidates
+        ks = _kernel_kept_set(x, t, one(0, torch.int64), one(0.97, torch.float32), mp)
+        for r in range(2):
+            ref = reference_kept_set(x[r].numpy(), 1.0, 0, 0.97, 0.0)
+            assert ks.mask[r].nonzero().squeeze(1).tolist() == ref.ids.tolist()
 
 
 def _in_interpreter(call: str) -> None:
@@ -134,39 +160,23 @@ def _in_interpreter(call: str) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_ordered_key_is_monotone_and_invertible():
-    vals = torch.tensor([-math.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 2.0, 3e38, math.inf])
-    keys = ksg.ordered_key(vals)
-    assert keys.dtype == torch.int32
-    assert bool((keys[1:] >= keys[:-1]).all())
-    assert int(keys[4]) == int(keys[5])  # -0.0 == +0.0
-    back = ksg.key_to_float(keys.long())
-    assert torch.equal(back, vals + 0.0)
-    rnd = torch.randn(10000) * 100
-    s = torch.sort(rnd).values
-    assert bool((ksg.ordered_key(s)[1:] >= ksg.ordered_key(s)[:-1]).all())
-
-
 def test_full_sort_matches_reference():
     rng = np.random.default_rng(3)
     x, t, k, p, mp = _random_rows(rng, 32, 3000, flat_share=0.5)
     _check_rows(x, t, k, p, mp, kept_set_full_sort(x, t, k, p, mp))
 
 
-@pytest.mark.parametrize(("rows", "v", "seed"), [(48, 37, 1), (40, 300, 2), (12, 5000, 3)])
-def test_triton_path_matches_reference_interpreted(rows, v, seed):
-    _in_interpreter(f"interpreted_case({rows}, {v}, {seed})")
+@pytest.mark.parametrize(("rows", "v", "seed", "candidates"), [(48, 37, 1, 64), (40, 300, 2, 16), (12, 3000, 3, 64)])
+def test_kernel_matches_reference_interpreted(rows, v, seed, candidates):
+    _in_interpreter(f"interpreted_case({rows}, {v}, {seed}, {candidates})")
 
 
-def test_triton_path_ties_cut_by_ascending_id_interpreted():
+def test_kernel_edge_rows_interpreted():
+    _in_interpreter("interpreted_edge_rows()")
+
+
+def test_kernel_ties_cut_by_ascending_id_interpreted():
     _in_interpreter("interpreted_ties()")
-
-
-def test_kept_set_on_cpu_is_the_window_path():
-    rng = np.random.default_rng(5)
-    x, t, k, p, mp = _random_rows(rng, 16, 500)
-    assert not ksg.uses_fast_path(x.device)
-    _check_rows(x, t, k, p, mp, ksg.kept_set(x, t, k, p, mp))
 
 
 def _to(obj, device):
@@ -222,13 +232,16 @@ def _sampler_check(device: str, b: int, v: int, seed: int) -> float:
 
 # ------------------------------------------------------------------ CUDA
 
-# Decode-like mixes: (logit scale, temperature, top_k, top_p, min_p); None = random per row.
+# Decode-like mixes: (logit scale, temperature, top_k, top_p, min_p, share of -inf logits);
+# None = random per row.
 GRID_CONFIGS = {
-    "top_p=0.95": (4.0, 1.0, 0, 0.95, 0.0),
-    "flat top_p=0.9": (1.0, 1.0, 0, 0.9, 0.0),
-    "top_k=50 top_p=0.9 T=0.7": (4.0, 0.7, 50, 0.9, 0.0),
-    "min_p=0.05": (4.0, 1.0, 0, 1.0, 0.05),
-    "top_k=2000": (4.0, 1.0, 2000, 1.0, 0.0),
+    "top_p=0.95": (4.0, 1.0, 0, 0.95, 0.0, 0.0),
+    "flat top_p=0.9": (1.0, 1.0, 0, 0.9, 0.0, 0.0),
+    "top_k=50 top_p=0.9 T=0.7": (4.0, 0.7, 50, 0.9, 0.0, 0.0),
+    "min_p=0.05": (4.0, 1.0, 0, 1.0, 0.05, 0.0),
+    "top_k=2000": (4.0, 1.0, 2000, 1.0, 0.0, 0.0),
+    "top_k=5000 top_p=0.99 T=1.3": (2.0, 1.3, 5000, 0.99, 0.0, 0.0),
+    "grammar-masked top_p=0.8 min_p=0.01": (3.0, 0.8, 0, 0.8, 0.01, 0.7),
     "mixed": None,
 }
 
@@ -236,8 +249,10 @@ GRID_CONFIGS = {
 def _grid_rows(rng: np.random.Generator, b: int, v: int, config):
     if config is None:
         return _random_rows(rng, b, v, flat_share=0.3)
-    scale, t, k, p, mp = config
+    scale, t, k, p, mp, inf_share = config
     x = torch.from_numpy((rng.standard_normal((b, v)) * scale).astype(np.float32))
+    if inf_share:
+        x[torch.from_numpy(rng.random((b, v)) < inf_share)] = -math.inf
     full = lambda val, dt: torch.full((b,), val, dtype=dt)  # noqa: E731
     return x, full(t, torch.float32), full(k, torch.int64), full(p, torch.float32), full(mp, torch.float32)
 
@@ -247,25 +262,33 @@ def _grid_rows(rng: np.random.Generator, b: int, v: int, config):
 @pytest.mark.parametrize("v", [49152, 151936])
 @pytest.mark.parametrize("b", [1, 32, 256])
 def test_gpu_masks_identical_to_cpu_reference(b, v):
-    """The CUDA kept set equals the CPU float64 full sort bit for bit (logZ within 1e-5)."""
+    """The CUDA kept set equals the CPU float64 full sort bit for bit (logZ within 1e-5),
+    as a dense mask and as CSR."""
     assert ksg.uses_fast_path(torch.device("cuda"))
     rng = np.random.default_rng(b * 7 + v)
     worst = 0.0
     for name, config in GRID_CONFIGS.items():
         x, t, k, p, mp = _grid_rows(rng, b, v, config)
-        got = ksg.kept_set(x.cuda(), t.cuda(), k.cuda(), p.cuda(), mp.cuda())
+        dev = [a.cuda() for a in (x, t, k, p, mp)]
+        got = ksg.kept_set(*dev)
+        assert int(got.bounds.failed.sum()) == 0, f"{name}: rows flagged"
+        offsets, ids, logz = ksg.kept_set_csr(*dev)
+        mask = got.mask.cpu()
+        assert torch.equal(offsets.diff().cpu(), got.count.cpu()), name
+        assert torch.equal(ids.long().cpu(), mask.nonzero()[:, 1]), name
+        assert torch.equal(logz, got.logz), name
         want = kept_set_full_sort(x, t, k, p, mp)
-        differ = (got.mask.cpu() != want.mask).any(dim=1).nonzero().squeeze(1).tolist()
+        differ = (mask != want.mask).any(dim=1).nonzero().squeeze(1).tolist()
         if config is None:  # random rows include exact ties: the per-row reference says which are allowed
             for r in differ:
                 ref = reference_kept_set(x[r].numpy(), float(t[r]), int(k[r]), float(p[r]), float(mp[r]))
-                diff = set((got.mask[r].cpu() ^ want.mask[r]).nonzero().squeeze(1).tolist())
+                diff = set((mask[r] ^ want.mask[r]).nonzero().squeeze(1).tolist())
                 assert diff <= ref.ambiguous, f"{name}: row {r} differs outside ties: {sorted(diff)[:10]}"
         else:
             assert not differ, f"{name}: rows {differ[:10]} differ"
         same = torch.ones(b, dtype=torch.bool)
         same[differ] = False
-        assert torch.equal(got.count.cpu()[same], want.count[same])
+        assert torch.equal(got.count.cpu().long()[same], want.count[same])
         finite = same & torch.isfinite(want.logz)
         err = float((got.logz.cpu()[finite] - want.logz[finite]).abs().max()) if bool(finite.any()) else 0.0
         assert err <= LOGZ_TOL, f"{name}: logz error {err}"

@@ -2,54 +2,53 @@
 
 The kept set of a row is a prefix of the row in (logit descending, id ascending)
 order, the order of the float64 reference's stable sort (`reference.py`). A prefix
-is fully described by its last entry: its value ``bv`` and id ``bid``. The kept ids
-are then ``{i : x_i > bv} ∪ {i : x_i == bv, i <= bid}`` (never -inf), which one pass
-writes as a bool [R, V] mask; CSR compaction on the device (`mask_to_csr`) follows,
-so only the kept ids cross PCIe.
+is described by its last entry, value ``bv`` and id ``bid``: the kept ids are
+``{i : x_i > bv} ∪ {i : x_i == bv, i <= bid}`` (never -inf).
 
-Finding the last entry of each rule, every row at once and with several programs
-per row (so that a batch of 1 still fills the GPU):
+One Triton program per row finds that entry in a few passes over the row, with no
+host work in between (`_kept_set_kernel`):
 
-1. Stats: row max ``M`` and smallest finite logit.
-2. Top-k (rows with k < #finite): ``K_PASSES`` passes narrow a value interval
-   ``(a, b]`` holding the k-th largest value; each pass counts ``#{x > t}`` at 16
-   evenly spaced pivots in the interval (counts are exact). A finalise pass then
-   gathers the few logits inside ``(a, b]`` (the candidates) with their ids, and the
-   float64 mass above ``b``; sorting just the candidates gives the k-th entry and the
-   top-k mass ``Z_k`` exactly.
-3. Top-p: the same with the mass ``Σ_{x > t} exp((x - M) / T) / Z_k`` at the pivots,
-   in float32 (``P_PASSES`` passes). A pivot only moves an end of the interval when
-   its estimate is more than ``MASS_MARGIN`` away from ``top_p``, so the true
-   boundary stays inside ``(a, b]`` whatever the float32 rounding. The finalise pass
-   recomputes the mass above ``b`` in float64, and a float64 running sum over the
-   sorted candidates applies the reference's test ``before < top_p`` exactly. The
-   search starts at ``M - 50 T`` at the lowest: all tokens below carry less than
-   ``V e^-50 < 1e-16`` of the mass, so a float32 ``top_p < 1`` always stops above.
-4. Min-p: a value threshold; one pass counts ``exp((x - M) / T) >= min_p`` in float64.
+1. Stats: row max ``M``, smallest finite logit, number of finite logits and the
+   float64 normaliser ``Z = Σ exp((x - M) / T)`` (online, rescaled per lane).
+2. Top-k (k < #finite): passes over the row narrow a value interval ``(a, b]``
+   holding the k-th entry by counting ``#{x > t}`` at 16 pivots (exact integer
+   counts), until at most ``CANDIDATES`` logits lie in it. For k <= CANDIDATES only
+   ``a`` moves, so the gathered logits are the whole top of the row.
+3. Top-p on the top-k renormalised mass: the same narrowing with the float32 mass
+   above (or, for top_p >= 0.5, below) each pivot; a pivot moves an end only when
+   its estimate is more than the relative error bound ``MASS_DELTA`` away from the
+   target, so the true boundary stays inside ``(a, b]`` whatever the rounding.
+4. Finalisation: the logits inside ``(a, b]`` are gathered (with their ids, as
+   int64 keys) into a per-row scratch row, sorted in the program, and the
+   reference's test (float64 running sum, ``before < top_p``) picks the entry.
+   When the top of the row is gathered, top-p and min-p are decided on it too.
+5. Min-p otherwise: one pass counts ``exp((x - M) / T) >= min_p`` in float64.
 
-The kept prefix is the shortest of the three. A final pass writes the mask and sums
-the kept and the total mass in float64, so ``logZ = log(kept / total)`` matches the
-reference to ~1e-15. Rows the search cannot settle (more than ``CANDIDATES``
-logits inside the final interval, e.g. thousands of equal logits, or top_p within
-the margin of 1) are redone by the full sort; they cost one host sync to detect.
+The pass count adapts per row (usually 3-5 reads of the row), and the kernel
+returns the boundary, the kept count and ``logZ`` (float64 throughout). An interval
+the pivots cannot split holds one value only (a run of equal logits): the rank in
+that run is found by a scan in id order. After ``VALUE_PASSES`` passes the pivots
+are spaced evenly in the float32 bit pattern instead of in value, so a search always
+ends; a row still unsettled after ``MAX_PASSES`` (no realistic input: the float32
+mass bound would have to stall on more than CANDIDATES logits) is flagged and keeps
+a superset, which the CSR path (`kept_set_csr`) redoes by the full sort.
 
-Passes read the row from memory (B·V·4 bytes each, about 50 µs at B = 256, V = 152k
-on an H100), against a sort that moves the row many times; see
-benchmarks/sampling_mask.py.
-
-Entry points: `kept_set` (dense mask + logz of truncating rows: this path on CUDA,
-the windowed sort of `truncation.py` on CPU), `mask_to_csr` and
-`fill_sampling_mask_dense` (the sampler's CSR output from a dense kept set).
+From the boundary, `_compact_kernel` writes the CSR ids straight from the logits
+(no dense mask), after one exclusive cumsum of the counts and one small
+device->host copy (total ids and whether any row was flagged) that sizes the output.
+The sampler's draw needs the dense mask: `_mask_kernel` writes it in one pass,
+without any host sync.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort
-from fastdeploy.model_executor.layers.sample.truncation import KeptSet, kept_logz, kept_window, scaled_lse
+from fastdeploy.model_executor.layers.sample.truncation import KeptSet, scaled_lse
 
 try:  # pragma: no cover - only on machines with triton
     import triton
@@ -57,15 +56,15 @@ try:  # pragma: no cover - only on machines with triton
 except Exception:  # noqa: BLE001 - any import failure means no kernel
     triton = None
 
-PIVOTS = 16  # pivots per search pass: each pass narrows the interval ~16x
-K_PASSES = 3
-P_PASSES = 3
-CANDIDATES = 4096  # logits gathered per row from the final interval
-MASS_MARGIN = 1e-4  # float32 mass estimates are within ~2e-5 of the truth (relative)
+PIVOTS = 16  # pivots per narrowing pass (including both ends of the interval)
+CANDIDATES = 2048  # logits gathered and sorted per row (a power of two: tl.sort)
+VALUE_PASSES = 4  # passes with pivots even in value; later passes: even in bit pattern
+MAX_PASSES = 16
+MASS_DELTA = 1e-4  # bound on the relative error of float32 mass sums (actual: < 3e-5)
 SPAN = 50.0  # tokens more than SPAN * T below the max carry < V e^-SPAN of the mass
-BLOCK = 1024
-PASS_BLOCK = 256  # [PASS_BLOCK, PIVOTS] accumulators per program
-TARGET_PROGRAMS = 1024  # programs per launch: several per SM on an H100 (132 SMs)
+BLOCK = 512  # logits per loop step of the row kernel
+NUM_WARPS = 8
+MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
 
 
 def uses_fast_path(device: torch.device) -> bool:
@@ -73,375 +72,493 @@ def uses_fast_path(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None
 
 
+@dataclass
+class KeptBounds:
+    """Kept sets of R rows as prefixes of the (logit desc, id asc) order.
+
+    value: float32 [R] and last_id: int32 [R], the last kept entry (value +inf: none).
+    count: int32 [R] kept ids. logz: float64 [R], log of their softmax mass.
+    failed: int32 [R], 1 where the row could not be settled (value/last_id keep a superset).
+    """
+
+    value: torch.Tensor
+    last_id: torch.Tensor
+    count: torch.Tensor
+    logz: torch.Tensor
+    failed: torch.Tensor
+
+
+@dataclass
+class GpuKeptSet(KeptSet):
+    """`KeptSet` (dense mask, count, logz) plus the bounds the CSR compaction reads."""
+
+    bounds: KeptBounds | None = None
+    params: tuple | None = None  # (proc, temperature, top_k, top_p, min_p): to redo flagged rows
+
+
 # ---------------------------------------------------------------------------------
-# order-preserving int32 keys of float32 values (candidates are sorted by them)
-
-
-def ordered_key(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys with key(a) < key(b) <=> a < b for float32 a, b (no NaN). -0.0 == +0.0."""
-    b = (x.float() + 0.0).view(torch.int32)  # + 0.0 folds -0.0 into +0.0
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-def key_to_float(k: torch.Tensor) -> torch.Tensor:
-    """Inverse of `ordered_key` (the map is an involution on the bit pattern)."""
-    k = k.to(torch.int32)
-    return (k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32)
-
-
-# ---------------------------------------------------------------------------------
-# kernels: grid (rows, programs per row); program s reads row[s * chunk : (s + 1) * chunk]
+# kernels
 
 if triton is not None:
 
     @triton.jit
-    def _tkey(x):
+    def _fkey(x):
+        """float32 -> int32 key with key(a) < key(b) <=> a < b; -0.0 folded into +0.0."""
         b = (x + 0.0).to(tl.int32, bitcast=True)
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _stats_kernel(x_ptr, stride, V, chunk, pmax_ptr, pmin_ptr, S, BLOCK: tl.constexpr):
-        """Partial max and smallest finite value (+inf if none) of each chunk."""
-        row = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        xrow = x_ptr + row * stride
-        offs = tl.arange(0, BLOCK)
-        mx = tl.full([BLOCK], float("-inf"), tl.float32)
-        mn = tl.full([BLOCK], float("inf"), tl.float32)
-        for i in range(0, chunk, BLOCK):
-            o = s * chunk + i + offs
-            valid = o < V
-            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-            mx = tl.maximum(mx, x)
-            mn = tl.minimum(mn, tl.where(x > float("-inf"), x, float("inf")))
-        tl.store(pmax_ptr + row * S + s, tl.max(mx, axis=0))
-        tl.store(pmin_ptr + row * S + s, tl.min(mn, axis=0))
+    def _kfloat(k):
+        """Inverse of `_fkey` (the map is an involution on the bit pattern)."""
+        return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _pivot_pass_kernel(
-        x_ptr, stride, V, chunk, act_ptr, piv_ptr, m_ptr, it_ptr, out_ptr, z_ptr, S,
-        MASS: tl.constexpr, WITH_Z: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """Per pivot t: #{x > t} (MASS=False) or float32 Σ_{x > t} exp((x - M) / T) (MASS=True).
+    def _prev(v):
+        """The largest float32 below v (v finite); below +0.0 is -1e-45, not -0.0."""
+        k = _fkey(v) - 1
+        k = tl.where(k == -1, -2, k)
+        return _kfloat(k)
 
-        WITH_Z also sums the whole chunk's mass in float64 (the exact normaliser).
+    @triton.jit
+    def _in_prefix(x, o, bv, bid):
+        return (x > float("-inf")) & ((x > bv) | ((x == bv) & (o <= bid)))
+
+    @triton.jit
+    def _exp64(x, m64, it):
+        return tl.exp((x.to(tl.float64) - m64) * it)
+
+    @triton.jit
+    def _narrow(xrow, V, a, b, n_a, n_b, bv, bid, m, it32, target, tail, only_a,
+                C: tl.constexpr, MASS: tl.constexpr, DELTA: tl.constexpr, VALUE_PASSES: tl.constexpr,
+                MAX_PASSES: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+        """Narrows (a, b] (n_a, n_b: prefix entries above a, b) around the boundary.
+
+        Count (MASS=False): keeps #{x > b} < target <= #{x > a}. Mass: keeps S(b) < target
+        <= S(a) for S(t) the prefix mass above t, or with tail, T(b) > target >= T(a) for
+        T(t) the prefix mass at or below t. only_a: b stays. Stops when at most C entries
+        lie inside, the interval holds one value (single), or after MAX_PASSES.
         """
-        row = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
         jj = tl.arange(0, P)
-        acc = tl.zeros([BLOCK, P], dtype=tl.float32)
-        z = tl.zeros([BLOCK], dtype=tl.float64)
-        if tl.load(act_ptr + row) != 0:
-            xrow = x_ptr + row * stride
-            offs = tl.arange(0, BLOCK)
-            piv = tl.load(piv_ptr + row * P + jj)
-            m = tl.load(m_ptr + row)
-            it = tl.load(it_ptr + row)  # 1 / T, float64
-            it32 = it.to(tl.float32)
-            for i in range(0, chunk, BLOCK):
-                o = s * chunk + i + offs
-                valid = o < V
-                x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-                gt = x[:, None] > piv[None, :]
-                if MASS:
-                    e = tl.exp((x - m) * it32)
-                    acc += tl.where(gt, e[:, None], 0.0)
-                else:
-                    acc += gt.to(tl.float32)
-                if WITH_Z:
-                    z += tl.exp((x.to(tl.float64) - m.to(tl.float64)) * it)
-        tl.store(out_ptr + (row * S + s) * P + jj, tl.sum(acc, axis=0))
-        if WITH_Z:
-            tl.store(z_ptr + row * S + s, tl.sum(z, axis=0))
-
-    @triton.jit
-    def _finalize_kernel(
-        x_ptr, stride, V, chunk, act_ptr, a_ptr, b_ptr, m_ptr, it_ptr,
-        gt_ptr, mass_ptr, cand_ptr, ncand_ptr, S, C, BLOCK: tl.constexpr,
-    ):
-        """#{x > b}, float64 mass above b, and the candidates a < x <= b as int64 keys
-        (ordered_key(x) << 32 | (V - 1 - id): descending key order = the reference's order)."""
-        row = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        cnt = tl.zeros([BLOCK], dtype=tl.int32)
-        mass = tl.zeros([BLOCK], dtype=tl.float64)
-        if tl.load(act_ptr + row) != 0:
-            xrow = x_ptr + row * stride
-            offs = tl.arange(0, BLOCK)
-            a = tl.load(a_ptr + row)
-            b = tl.load(b_ptr + row)
-            m = tl.load(m_ptr + row).to(tl.float64)
-            it = tl.load(it_ptr + row)
-            for i in range(0, chunk, BLOCK):
-                o = s * chunk + i + offs
-                valid = o < V
-                x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-                above = x > b
-                cnt += above.to(tl.int32)
-                mass += tl.where(above, tl.exp((x.to(tl.float64) - m) * it), 0.0)
-                sel = (x > a) & (x <= b) & valid
-                nsel = tl.sum(sel.to(tl.int32), axis=0)
-                if nsel > 0:
-                    base = tl.atomic_add(ncand_ptr + row, nsel)
-                    pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                    key = (_tkey(x).to(tl.int64) << 32) | (V - 1 - o).to(tl.int64)
-                    tl.store(cand_ptr + row * C + pos, key, mask=sel & (pos < C))
-        tl.store(gt_ptr + row * S + s, tl.sum(cnt, axis=0))
-        tl.store(mass_ptr + row * S + s, tl.sum(mass, axis=0))
-
-    @triton.jit
-    def _min_p_kernel(x_ptr, stride, V, chunk, mp_ptr, m_ptr, it_ptr, cnt_ptr, low_ptr, S, BLOCK: tl.constexpr):
-        """#{exp((x - M) / T) >= min_p} (float64) and the smallest such x, per chunk."""
-        row = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        cnt = tl.zeros([BLOCK], dtype=tl.int32)
-        low = tl.full([BLOCK], float("inf"), tl.float32)
-        mp = tl.load(mp_ptr + row).to(tl.float64)
-        if mp > 0.0:
-            xrow = x_ptr + row * stride
-            offs = tl.arange(0, BLOCK)
-            m = tl.load(m_ptr + row).to(tl.float64)
-            it = tl.load(it_ptr + row)
-            for i in range(0, chunk, BLOCK):
-                o = s * chunk + i + offs
-                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
-                ok = tl.exp((x.to(tl.float64) - m) * it) >= mp
-                cnt += ok.to(tl.int32)
-                low = tl.minimum(low, tl.where(ok, x, float("inf")))
-        tl.store(cnt_ptr + row * S + s, tl.sum(cnt, axis=0))
-        tl.store(low_ptr + row * S + s, tl.min(low, axis=0))
-
-    @triton.jit
-    def _mask_kernel(
-        x_ptr, stride, V, chunk, bv_ptr, bid_ptr, m_ptr, it_ptr, mask_ptr, cnt_ptr, kept_ptr, z_ptr, S,
-        BLOCK: tl.constexpr,
-    ):
-        """mask = (x > bv) | (x == bv & id <= bid), finite; kept count, float64 kept and total mass."""
-        row = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        xrow = x_ptr + row * stride
         offs = tl.arange(0, BLOCK)
+        frac = jj.to(tl.float64) / (P - 1)
+        n = tl.zeros((), dtype=tl.int32)
+        single = tl.zeros((), dtype=tl.int32)
+        while (n_a - n_b > C) & (single == 0) & (n < MAX_PASSES):
+            lo64 = tl.maximum(a, -3.4028234663852886e38).to(tl.float64)
+            pv = (lo64 + (b.to(tl.float64) - lo64) * frac).to(tl.float32)
+            ka = _fkey(a).to(tl.int64)
+            kb = _fkey(b).to(tl.int64)
+            pk = _kfloat((ka + ((kb - ka) * jj) // (P - 1)).to(tl.int32))
+            piv = tl.where(n < VALUE_PASSES, pv, pk)
+            piv = tl.minimum(tl.maximum(piv, a), b)
+            piv = tl.where(jj == 0, a, tl.where(jj == P - 1, b, piv))
+            cnt = tl.zeros([BLOCK, P], dtype=tl.int32)
+            acc = tl.zeros([BLOCK, P], dtype=tl.float32)
+            mn = tl.full([BLOCK], float("inf"), tl.float32)
+            mx = tl.full([BLOCK], float("-inf"), tl.float32)
+            for i in range(0, V, BLOCK):
+                o = i + offs
+                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+                pre = _in_prefix(x, o, bv, bid)
+                gt = x[:, None] > piv[None, :]
+                cnt += (gt & pre[:, None]).to(tl.int32)
+                if MASS:
+                    e = tl.where(pre, tl.exp((x - m) * it32), 0.0)
+                    acc += tl.where(gt != tail, e[:, None], 0.0)
+                inside = pre & (x > a) & (x <= b)
+                mn = tl.minimum(mn, tl.where(inside, x, float("inf")))
+                mx = tl.maximum(mx, tl.where(inside, x, float("-inf")))
+            c = tl.sum(cnt, axis=0)
+            if MASS:
+                s = tl.sum(acc, axis=0).to(tl.float64)
+                hi_ok = tl.where(tail, s > target * (1.0 + DELTA), s < target * (1.0 - DELTA))
+                lo_ok = tl.where(tail, s <= target * (1.0 - DELTA), s >= target * (1.0 + DELTA))
+            else:
+                hi_ok = c < target
+                lo_ok = c >= target
+            hi_ok = (hi_ok & (jj > 0) & (only_a == 0)) | (jj == P - 1)
+            j_hi = tl.min(tl.where(hi_ok, jj, P - 1), axis=0)
+            j_lo = tl.max(tl.where(lo_ok & (jj < j_hi), jj, 0), axis=0)
+            b = tl.max(tl.where(jj == j_hi, piv, float("-inf")), axis=0)
+            a = tl.max(tl.where(jj == j_lo, piv, float("-inf")), axis=0)
+            n_b = tl.sum(tl.where(jj == j_hi, c, 0), axis=0)
+            n_a = tl.sum(tl.where(jj == j_lo, c, 0), axis=0)
+            # The old interval's extreme values bound the new one (no entries beyond them).
+            lo_v = tl.min(mn, axis=0)
+            hi_v = tl.max(mx, axis=0)
+            nonempty = lo_v <= hi_v
+            b = tl.where(nonempty, tl.minimum(b, hi_v), b)
+            a = tl.where(nonempty, tl.maximum(a, _prev(tl.where(nonempty, lo_v, 0.0))), a)
+            single = (nonempty & (lo_v == hi_v)).to(tl.int32)
+            n += 1
+        return a, b, n_a, n_b, single
+
+    @triton.jit
+    def _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, STORE: tl.constexpr, BLOCK: tl.constexpr):
+        """float64 prefix mass above b; with STORE, the prefix entries in (a, b] as keys
+        ``_fkey(x) << 32 | (V - 1 - id)`` (descending key = the reference's order)."""
+        offs = tl.arange(0, BLOCK)
+        mass = tl.zeros([BLOCK], dtype=tl.float64)
+        base = tl.zeros((), dtype=tl.int32)
+        for i in range(0, V, BLOCK):
+            o = i + offs
+            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+            pre = _in_prefix(x, o, bv, bid)
+            mass += tl.where(pre & (x > b), _exp64(x, m64, it), 0.0)
+            if STORE:
+                sel = pre & (x > a) & (x <= b)
+                si = sel.to(tl.int32)
+                pos = base + tl.cumsum(si, axis=0) - 1
+                key = (_fkey(x).to(tl.int64) << 32) | (V - 1 - o).to(tl.int64)
+                tl.store(cand_row + pos, key, mask=sel)
+                base += tl.sum(si, axis=0)
+        return tl.sum(mass, axis=0)
+
+    @triton.jit
+    def _sorted_list(cand_row, n, V, m64, it, C: tl.constexpr):
+        """The n gathered keys sorted: values, ids, float64 masses, inclusive cumsum."""
+        tl.debug_barrier()  # the gather's stores come from other threads of this program
+        jc = tl.arange(0, C)
+        pad = tl.full([C], -9223372036854775808, tl.int64)  # sorts last
+        keys = tl.where(jc < n, tl.load(cand_row + jc, mask=jc < n, other=0), pad)
+        keys = tl.sort(keys, descending=True)
+        hi = keys >> 32
+        vals = _kfloat(hi.to(tl.int32))
+        ids = (V - 1 - (keys - (hi << 32))).to(tl.int32)
+        e = tl.where(jc < n, _exp64(vals, m64, it), 0.0)
+        return vals, ids, e, tl.cumsum(e, axis=0)
+
+    @triton.jit
+    def _pick(vals, ids, cum, j, C: tl.constexpr):
+        """(value, id, inclusive cumulative mass) of list entry j."""
+        jc = tl.arange(0, C)
+        hit = jc == j
+        return (tl.max(tl.where(hit, vals, float("-inf")), axis=0),
+                tl.max(tl.where(hit, ids, -1), axis=0),
+                tl.sum(tl.where(hit, cum, 0.0), axis=0))
+
+    @triton.jit
+    def _nth_equal(xrow, V, v, bv, bid, c, BLOCK: tl.constexpr):
+        """Id of the c-th (0-based, ascending id) prefix entry equal to v."""
+        offs = tl.arange(0, BLOCK)
+        run = tl.zeros((), dtype=tl.int32)
+        found = tl.full((), -1, tl.int32)
+        for i in range(0, V, BLOCK):
+            o = i + offs
+            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+            eq = (_in_prefix(x, o, bv, bid) & (x == v)).to(tl.int32)
+            cs = run + tl.cumsum(eq, axis=0)
+            found = tl.maximum(found, tl.max(tl.where((eq != 0) & (cs == c + 1), o, -1), axis=0))
+            run += tl.sum(eq, axis=0)
+        return found
+
+    @triton.jit
+    def _kept_set_kernel(
+        x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
+        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr,
+        C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
+        VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        xrow = x_ptr + row * stride
+        cand_row = cand_ptr + row * C
+        offs = tl.arange(0, BLOCK)
+        it = 1.0 / tl.load(t_ptr + row).to(tl.float64)
+        it32 = it.to(tl.float32)
+        k = tl.load(k_ptr + row).to(tl.int32)
+        tp = tl.load(p_ptr + row).to(tl.float64)
+        mp = tl.minimum(tl.load(mp_ptr + row).to(tl.float64), 1.0)
+
+        # 1. stats; Z per lane relative to the lane's running max, rescaled when it grows
+        lm = tl.full([BLOCK], float("-inf"), tl.float32)
+        lz = tl.zeros([BLOCK], dtype=tl.float64)
+        lmin = tl.full([BLOCK], float("inf"), tl.float32)
+        lfin = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(0, V, BLOCK):
+            o = i + offs
+            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+            fin = x > float("-inf")
+            up = x > lm
+            d = tl.where(up, lm.to(tl.float64) - x.to(tl.float64), x.to(tl.float64) - lm.to(tl.float64))
+            ed = tl.where(fin, tl.exp(d * it), 0.0)
+            lz = tl.where(up, lz * ed + 1.0, lz + ed)
+            lm = tl.maximum(lm, x)
+            lmin = tl.minimum(lmin, tl.where(fin, x, float("inf")))
+            lfin += fin.to(tl.int32)
+        m = tl.max(lm, axis=0)
+        nfin = tl.sum(lfin, axis=0)
+        fmin = tl.min(lmin, axis=0)
+        m64 = m.to(tl.float64)
+        mz = tl.where(nfin > 0, m, 0.0)
+        z = tl.sum(tl.where(lm > float("-inf"), lz * _exp64(lm, mz.to(tl.float64), it), 0.0), axis=0)
+
+        k_on = (k > 0) & (k < nfin)
+        p_on = tp < 1.0
+        m_on = mp > 0.0
+        # the prefix so far: every finite logit
+        zero = tl.zeros((), dtype=tl.int32)
+        bv = tl.full((), float("-inf"), tl.float32)
+        bid = zero - 1
+        n_pre = nfin
+        mass_pre = z
+        zk = z
+        failed = zero
+        covered = zero  # the sorted scratch row holds the prefix from the top, list_len entries
+        list_len = zero
+        list_n = zero
+        jc = tl.arange(0, C)
+
+        # 2. top-k
+        if k_on:
+            lower = _prev(fmin)
+            a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, nfin, zero, bv, bid, m, it32, k, False,
+                                             (k <= C).to(tl.int32), C, False, DELTA, VALUE_PASSES, MAX_PASSES,
+                                             P, BLOCK)
+            if n_a - n_b <= C:
+                mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
+                vals, ids, e, cum = _sorted_list(cand_row, n_a - n_b, V, m64, it, C)
+                j = k - n_b - 1
+                kv, kid, kc = _pick(vals, ids, cum, j, C)
+                zk = mass_gt + kc
+                covered = (n_b == 0).to(tl.int32)
+                list_len = j + 1
+                list_n = n_a - n_b
+                bv = kv
+                bid = kid
+            elif single != 0:
+                mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, False, BLOCK)
+                c = k - n_b
+                bid = _nth_equal(xrow, V, b, bv, bid, c - 1, BLOCK)
+                bv = b
+                zk = mass_gt + c.to(tl.float64) * _exp64(b, m64, it)
+            else:
+                failed = zero + 1
+                bv = a
+            n_pre = k
+            mass_pre = zk
+
+        # 3. top-p on the top-k renormalised mass
+        if p_on & (failed == 0):
+            tgt = tp * zk
+            if covered != 0:
+                vals, ids, e, cum = _sorted_list(cand_row, list_n, V, m64, it, C)
+                keep = (jc < list_len) & (cum - e < tgt)
+                c = tl.maximum(tl.sum(keep.to(tl.int32), axis=0), 1)
+                pv, pid, pc = _pick(vals, ids, cum, c - 1, C)
+                bv = pv
+                bid = pid
+                n_pre = c
+                mass_pre = pc
+                list_len = c
+            else:
+                lower = tl.where(k_on, _prev(bv), tl.maximum(_prev(fmin), m - SPAN / it32))
+                tail = tp >= 0.5
+                target = tl.where(tail, (1.0 - tp) * zk, tgt)
+                a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, n_pre, zero, bv, bid, m, it32, target, tail,
+                                                 zero, C, True, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
+                if n_a - n_b <= C:
+                    mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
+                    vals, ids, e, cum = _sorted_list(cand_row, n_a - n_b, V, m64, it, C)
+                    keep = (jc < n_a - n_b) & (mass_gt + cum - e < tgt)
+                    c = tl.maximum(tl.sum(keep.to(tl.int32), axis=0), 1)
+                    pv, pid, pc = _pick(vals, ids, cum, c - 1, C)
+                    covered = (n_b == 0).to(tl.int32)
+                    list_len = c
+                    list_n = n_a - n_b
+                    bv = pv
+                    bid = pid
+                    n_pre = n_b + c
+                    mass_pre = mass_gt + pc
+                elif single != 0:
+                    mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, False, BLOCK)
+                    ev = _exp64(b, m64, it)
+                    # entries of the run kept: j with mass_gt + j * ev < tgt, at least one
+                    q = tl.minimum(tl.maximum((tgt - mass_gt) / ev, 0.0), (n_a - n_b).to(tl.float64))
+                    c = q.to(tl.int32)
+                    c = tl.minimum(tl.maximum(c + (c.to(tl.float64) < q).to(tl.int32), 1), n_a - n_b)
+                    bid = _nth_equal(xrow, V, b, bv, bid, c - 1, BLOCK)
+                    bv = b
+                    n_pre = n_b + c
+                    mass_pre = mass_gt + c.to(tl.float64) * ev
+                else:
+                    failed = zero + 1
+                    bv = a
+                    bid = zero - 1
+                    n_pre = n_a
+
+        # 4. min-p: p_i >= min_p * p_max, every tie of the threshold kept
+        if m_on & (failed == 0):
+            if covered != 0:
+                vals, ids, e, cum = _sorted_list(cand_row, list_n, V, m64, it, C)
+                c = tl.maximum(tl.sum(((jc < list_len) & (e >= mp)).to(tl.int32), axis=0), 1)
+                pv, pid, pc = _pick(vals, ids, cum, c - 1, C)
+                bv = pv
+                bid = pid
+                n_pre = c
+                mass_pre = pc
+            else:
+                cnt = tl.zeros([BLOCK], dtype=tl.int32)
+                kept = tl.zeros([BLOCK], dtype=tl.float64)
+                low = tl.full([BLOCK], float("inf"), tl.float32)
+                for i in range(0, V, BLOCK):
+                    o = i + offs
+                    x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+                    e = _exp64(x, m64, it)
+                    ok = _in_prefix(x, o, bv, bid) & (e >= mp)
+                    cnt += ok.to(tl.int32)
+                    kept += tl.where(ok, e, 0.0)
+                    low = tl.minimum(low, tl.where(ok, x, float("inf")))
+                lv = tl.min(low, axis=0)
+                cut = lv > bv
+                bid = tl.where(cut, V, bid)
+                bv = tl.where(cut, lv, bv)
+                n_pre = tl.sum(cnt, axis=0)
+                mass_pre = tl.sum(kept, axis=0)
+
+        logz = tl.log(mass_pre) - tl.log(z)
+        empty = nfin == 0
+        tl.store(bv_ptr + row, tl.where(empty, float("inf"), bv))
+        tl.store(bid_ptr + row, tl.where(empty, -1, bid))
+        tl.store(cnt_ptr + row, tl.where(empty, 0, n_pre))
+        tl.store(logz_ptr + row, tl.where(empty, float("-inf"), logz))
+        tl.store(fail_ptr + row, failed)
+
+    @triton.jit
+    def _keep(x, o, bv, bid):
+        """The kept prefix; (bv, bid) = (x[tok], tok) with tok the first argmax keeps
+        just tok, also for a row of -inf (a greedy row's set is its argmax)."""
+        return _in_prefix(x, o, bv, bid) | ((x == bv) & (o == bid))
+
+    @triton.jit
+    def _mask_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, mask_ptr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
+        keep = _keep(x, o, tl.load(bv_ptr + row), tl.load(bid_ptr + row))
+        tl.store(mask_ptr + row * V + o, keep.to(tl.int8), mask=o < V)
+
+    @triton.jit
+    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, BLOCK: tl.constexpr):
+        """Writes the kept ids of each row, ascending, at ids[offsets[row]:]."""
+        row = tl.program_id(0).to(tl.int64)
+        xrow = x_ptr + row * stride
         bv = tl.load(bv_ptr + row)
         bid = tl.load(bid_ptr + row)
-        m = tl.load(m_ptr + row).to(tl.float64)
-        it = tl.load(it_ptr + row)
-        cnt = tl.zeros([BLOCK], dtype=tl.int32)
-        kept = tl.zeros([BLOCK], dtype=tl.float64)
-        z = tl.zeros([BLOCK], dtype=tl.float64)
-        for i in range(0, chunk, BLOCK):
-            o = s * chunk + i + offs
-            valid = o < V
-            x = tl.load(xrow + o, mask=valid, other=float("-inf"))
-            keep = ((x > bv) | ((x == bv) & (o <= bid))) & (x > float("-inf"))
-            tl.store(mask_ptr + row * V + o, keep.to(tl.int8), mask=valid)
-            e = tl.exp((x.to(tl.float64) - m) * it)
-            cnt += keep.to(tl.int32)
-            kept += tl.where(keep, e, 0.0)
-            z += e
-        tl.store(cnt_ptr + row * S + s, tl.sum(cnt, axis=0))
-        tl.store(kept_ptr + row * S + s, tl.sum(kept, axis=0))
-        tl.store(z_ptr + row * S + s, tl.sum(z, axis=0))
+        base = tl.load(off_ptr + row).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        for i in range(0, V, BLOCK):
+            o = i + offs
+            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+            keep = _keep(x, o, bv, bid) & (o < V)
+            ki = keep.to(tl.int32)
+            pos = base + tl.cumsum(ki, axis=0) - 1
+            tl.store(ids_ptr + pos, o, mask=keep)
+            base += tl.sum(ki, axis=0)
 
 
 # ---------------------------------------------------------------------------------
-# host side: launches and small per-row torch ops, no host sync until the fallback check
+# host side
 
 
-class _Rows:
-    """A batch of rows and how it is split into chunks, one program per (row, chunk)."""
+def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> KeptBounds:
+    """The kernel on any device Triton runs on (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
-    def __init__(self, proc: torch.Tensor, temperature: torch.Tensor):
-        self.x = proc if proc.stride(1) == 1 else proc.contiguous()
-        self.r, self.v = proc.shape
-        self.dev = proc.device
-        per_row = max(1, min(triton.cdiv(self.v, BLOCK), triton.cdiv(TARGET_PROGRAMS, max(self.r, 1))))
-        self.chunk = triton.cdiv(triton.cdiv(self.v, per_row), BLOCK) * BLOCK
-        self.s = triton.cdiv(self.v, self.chunk)
-        self.inv_t = (1.0 / temperature.to(device=self.dev, dtype=torch.float64)).contiguous()
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return (self.r, self.s)
-
-    def empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty((self.r, self.s, *shape) if shape else (self.r, self.s), dtype=dtype, device=self.dev)
-
-
-def _search(rows: _Rows, act, lo, hi, m, accept, mass: bool, passes: int, want_z: bool = False):
-    """Narrow (lo, hi] per active row over ``passes`` pivot passes.
-
-    ``accept(values [R, P], z) -> (hi_ok, lo_ok)``: bool [R, P], pivots that may become the
-    new upper / lower end; z is the float64 row mass (want_z: summed in the first pass),
-    else None. Returns (lo, hi, z).
+    proc float32 [R, V] processed logits (before temperature); temperature [R] > 0;
+    top_k int [R] (0 = off); top_p [R] (1 = off); min_p [R] (0 = off). One launch.
     """
-    frac = torch.arange(1, PIVOTS + 1, device=rows.dev, dtype=torch.float32) / PIVOTS
-    act_i = act.to(torch.int8)
-    z = None
-    for n in range(passes):
-        piv = lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * frac
-        piv = torch.minimum(torch.maximum(piv, lo.unsqueeze(1)), hi.unsqueeze(1))
-        piv[:, -1] = hi
-        piv = piv.contiguous()
-        out = rows.empty(PIVOTS, dtype=torch.float32)
-        with_z = want_z and n == 0
-        pz = rows.empty(dtype=torch.float64) if with_z else out
-        _pivot_pass_kernel[rows.grid](
-            rows.x, rows.x.stride(0), rows.v, rows.chunk, act_i, piv, m, rows.inv_t, out, pz, rows.s,
-            MASS=mass, WITH_Z=with_z, P=PIVOTS, BLOCK=PASS_BLOCK, num_warps=4,
-        )
-        if with_z:
-            z = pz.sum(dim=1)
-        vals = out.sum(dim=1, dtype=torch.float64)  # [R, P]
-        hi_ok, lo_ok = accept(vals, z)
-        hi_ok[:, -1] = True  # hi itself satisfies the invariant
-        j_hi = hi_ok.to(torch.int8).argmax(dim=1)  # first acceptable pivot from below
-        # lower end: the last lo_ok pivot below j_hi, or the old lo
-        below = lo_ok & (torch.arange(PIVOTS, device=rows.dev) < j_hi.unsqueeze(1))
-        j_lo = PIVOTS - 1 - below.flip(1).to(torch.int8).argmax(dim=1)
-        new_lo = torch.where(below.any(dim=1), piv.gather(1, j_lo.unsqueeze(1)).squeeze(1), lo)
-        new_hi = piv.gather(1, j_hi.unsqueeze(1)).squeeze(1)
-        lo = torch.where(act, new_lo, lo)
-        hi = torch.where(act, new_hi, hi)
-    return lo, hi, z
-
-
-class _Candidates:
-    """Finalise pass results: #{x > b}, float64 mass above b, and the sorted candidates."""
-
-    def __init__(self, rows: _Rows, act, a, b, m):
-        gt = rows.empty(dtype=torch.int32)
-        mass = rows.empty(dtype=torch.float64)
-        cand = torch.full((rows.r, CANDIDATES), torch.iinfo(torch.int64).min, dtype=torch.int64, device=rows.dev)
-        ncand = torch.zeros(rows.r, dtype=torch.int32, device=rows.dev)
-        _finalize_kernel[rows.grid](
-            rows.x, rows.x.stride(0), rows.v, rows.chunk, act.to(torch.int8), a, b, m, rows.inv_t,
-            gt, mass, cand, ncand, rows.s, CANDIDATES, BLOCK=BLOCK, num_warps=4,
-        )
-        self.gt = gt.sum(dim=1, dtype=torch.int64)
-        self.mass = mass.sum(dim=1)
-        self.n = ncand.long()
-        self.overflow = act & (self.n > CANDIDATES)
-        keys = cand.sort(dim=1, descending=True).values
-        self.values = key_to_float((keys >> 32).to(torch.int32))
-        self.ids = rows.v - 1 - (keys & 0xFFFFFFFF)
-        self.valid = torch.arange(CANDIDATES, device=rows.dev).unsqueeze(0) < self.n.unsqueeze(1)
-        # float64 mass of each candidate relative to the row max; 0 for empty slots
-        e = torch.exp((self.values.double() - m.double().unsqueeze(1)) * rows.inv_t.unsqueeze(1))
-        self.e = torch.where(self.valid, e, 0.0)
-
-    def entry(self, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(value, id) of candidate j per row (j clamped into the buffer)."""
-        j = j.clamp(0, CANDIDATES - 1).unsqueeze(1)
-        return self.values.gather(1, j).squeeze(1), self.ids.gather(1, j).squeeze(1)
-
-
-def _triton_kept_set(proc, temperature, top_k, top_p, min_p, uses_top_p: bool) -> tuple[KeptSet, torch.Tensor]:
-    """The sort-free kept set and a bool [R] of rows it could not settle."""
-    rows = _Rows(proc.float(), temperature)
-    r, v, dev = rows.r, rows.v, rows.dev
-    tp = top_p.to(device=dev, dtype=torch.float64)
-    mp = min_p.to(device=dev, dtype=torch.float32).contiguous()
-    k = top_k.to(device=dev, dtype=torch.int64)
-    big = torch.full((r,), v + 1, dtype=torch.int64, device=dev)  # "rule off": longer than any prefix
-
-    pmax = rows.empty(dtype=torch.float32)
-    pmin = rows.empty(dtype=torch.float32)
-    _stats_kernel[rows.grid](rows.x, rows.x.stride(0), v, rows.chunk, pmax, pmin, rows.s, BLOCK=BLOCK, num_warps=4)
-    m = pmax.max(dim=1).values.contiguous()
-    finite_min = pmin.min(dim=1).values
-    # strictly below every finite logit: #{x > start} = all finite tokens
-    start = torch.nextafter(finite_min, torch.full_like(finite_min, -math.inf))
-    failed = torch.zeros(r, dtype=torch.bool, device=dev)
-
-    # top-k
-    k_on = (k > 0) & (k < v)
-    # rows without top-k skip the passes inside the kernels
-    lo, hi, _ = _search(
-        rows, k_on, start, m.clone(), m,
-        lambda cnt, _z: (cnt < k.unsqueeze(1), cnt >= k.unsqueeze(1)), mass=False, passes=K_PASSES,
+    x = proc if proc.stride(1) == 1 else proc.contiguous()
+    r, v = x.shape
+    dev = x.device
+    out = KeptBounds(
+        value=torch.empty(r, dtype=torch.float32, device=dev),
+        last_id=torch.empty(r, dtype=torch.int32, device=dev),
+        count=torch.empty(r, dtype=torch.int32, device=dev),
+        logz=torch.empty(r, dtype=torch.float64, device=dev),
+        failed=torch.empty(r, dtype=torch.int32, device=dev),
     )
-    cand = _Candidates(rows, k_on, lo.contiguous(), hi.contiguous(), m)
-    j = k - cand.gt - 1  # position of the k-th entry among the candidates
-    # fewer candidates than needed: k exceeds the finite tokens, so top-k cuts nothing
-    k_on = k_on & (j < cand.n)
-    failed |= k_on & cand.overflow
-    bv_k, bid_k = cand.entry(j)
-    in_k = torch.arange(CANDIDATES, device=dev).unsqueeze(0) <= j.unsqueeze(1)
-    z_k = cand.mass + (cand.e * in_k).sum(dim=1)  # float64 top-k mass (rows with k_on)
-    n_k = torch.where(k_on, k, big)
-
-    # top-p on the top-k renormalised mass
-    n_p, bv_p, bid_p = big, m, big
-    p_on = tp < 1.0
-    if uses_top_p:
-        floor = torch.maximum(start, m - SPAN / rows.inv_t.float())
-        # with top-k, the boundary is at or above the k-th value
-        floor = torch.where(k_on, torch.maximum(floor, torch.nextafter(bv_k, torch.full_like(bv_k, -math.inf))), floor)
-        tp_col = tp.unsqueeze(1)
-
-        def accept(mass, z):
-            q = mass / torch.where(k_on, z_k, z).unsqueeze(1)
-            return q < tp_col - MASS_MARGIN, q >= tp_col + MASS_MARGIN
-
-        lo, hi, z = _search(rows, p_on, floor.contiguous(), m.clone(), m, accept, mass=True, passes=P_PASSES,
-                            want_z=True)
-        zk = torch.where(k_on, z_k, z)
-        cand = _Candidates(rows, p_on, lo.contiguous(), hi.contiguous(), m)
-        cum = cand.mass.unsqueeze(1) + torch.cumsum(cand.e, dim=1)  # mass through candidate j
-        before = (cum - cand.e) / zk.unsqueeze(1)
-        kept = cand.valid & (before < tp_col)
-        c = kept.sum(dim=1)
-        # all candidates kept while the mass is still short of top_p: boundary below the interval
-        short = (c == cand.n) & (cum.gather(1, (cand.n - 1).clamp(0, CANDIDATES - 1).unsqueeze(1)).squeeze(1) / zk < tp)
-        failed |= p_on & (cand.overflow | (c == 0) | short)
-        bv_p, bid_p = cand.entry(c - 1)
-        n_p = torch.where(p_on, cand.gt + c, big)
-
-    # min-p: every tie of the threshold value is kept
-    pc = rows.empty(dtype=torch.int32)
-    pl = rows.empty(dtype=torch.float32)
-    _min_p_kernel[rows.grid](rows.x, rows.x.stride(0), v, rows.chunk, mp, m, rows.inv_t, pc, pl, rows.s,
-                             BLOCK=BLOCK, num_warps=4)
-    n_m = torch.where(min_p.to(dev) > 0, pc.sum(dim=1, dtype=torch.int64).clamp(min=1), big)
-    bv_m = pl.min(dim=1).values
-
-    # the shortest prefix wins; no rule at all keeps every finite token
-    n_all = torch.stack([n_k, n_p, n_m], dim=1)
-    pick = n_all.argmin(dim=1, keepdim=True)
-    none = n_all.min(dim=1).values > v
-    bv = torch.stack([bv_k, bv_p, bv_m], dim=1).gather(1, pick).squeeze(1)
-    bid = torch.stack([bid_k, bid_p, big], dim=1).gather(1, pick).squeeze(1)
-    bv = torch.where(none, torch.full_like(bv, -math.inf), bv).float().contiguous()
-    bid = torch.where(none, big, bid).contiguous()
-
-    mask = torch.empty(r, v, dtype=torch.int8, device=dev)
-    pcnt = rows.empty(dtype=torch.int32)
-    pkept = rows.empty(dtype=torch.float64)
-    pz = rows.empty(dtype=torch.float64)
-    _mask_kernel[rows.grid](rows.x, rows.x.stride(0), v, rows.chunk, bv, bid, m, rows.inv_t, mask, pcnt, pkept, pz,
-                            rows.s, BLOCK=BLOCK, num_warps=4)
-    count = pcnt.sum(dim=1, dtype=torch.int64)
-    logz = torch.log(pkept.sum(dim=1)) - torch.log(pz.sum(dim=1))
-    logz = torch.where(count == 0, -math.inf, logz)  # every logit -inf: nothing can be kept
-    return KeptSet(mask.view(torch.bool), count, logz), failed
+    if r == 0:
+        return out
+    cand = torch.empty(r, CANDIDATES, dtype=torch.int64, device=dev)
+    _kept_set_kernel[(r,)](
+        x, x.stride(0), v, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
+        cand, out.value, out.last_id, out.count, out.logz, out.failed,
+        C=CANDIDATES, P=PIVOTS, DELTA=MASS_DELTA, SPAN=SPAN, VALUE_PASSES=VALUE_PASSES, MAX_PASSES=MAX_PASSES,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )
+    return out
 
 
-def _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz: bool) -> KeptSet:
-    """The CPU path (`truncation.kept_window`) as a dense mask."""
-    r, v = proc.shape
-    want = torch.ones(r, dtype=torch.bool, device=proc.device) if want_logz else None
-    win = kept_window(proc, temperature, top_k, top_p, min_p, want_lse=want)
-    mask = torch.zeros(r, v, dtype=torch.bool, device=proc.device)
-    keep = win.keep & (win.x > -math.inf)
-    # Index only the kept entries: a row's padding repeats id 0, which a scatter of
-    # False could write over a kept id 0.
-    rows = torch.arange(r, device=proc.device).unsqueeze(1).expand_as(keep)
-    mask[rows[keep], win.idx[keep]] = True
-    if want_logz:
-        logz = kept_logz(win)
-    else:
-        logz = torch.full((r,), math.nan, dtype=torch.float64, device=proc.device)
-    return KeptSet(mask, mask.sum(dim=1), logz)
+def dense_mask(proc: torch.Tensor, value: torch.Tensor, last_id: torch.Tensor) -> torch.Tensor:
+    """bool [R, V] of the kept prefixes (one launch)."""
+    x = proc if proc.stride(1) == 1 else proc.contiguous()
+    r, v = x.shape
+    mask = torch.empty(r, v, dtype=torch.int8, device=x.device)
+    if r:
+        _mask_kernel[(r, triton.cdiv(v, MASK_BLOCK))](x, x.stride(0), v, value, last_id, mask, BLOCK=MASK_BLOCK,
+                                                       num_warps=4)
+    return mask.view(torch.bool)
+
+
+def _bounds_of_mask(proc: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, last_id) of kept prefixes given as a dense mask (the full sort's)."""
+    value = proc.masked_fill(~mask, math.inf).min(dim=1).values
+    ids = torch.arange(proc.shape[1], device=proc.device).expand_as(proc)
+    last = torch.where(mask & (proc == value.unsqueeze(1)), ids, -1).max(dim=1).values
+    return value.float(), last.to(torch.int32)
+
+
+def redo_flagged(proc, temperature, top_k, top_p, min_p, b: KeptBounds) -> None:
+    """Redoes the rows the kernel flagged by the full sort, in place (none on realistic logits)."""
+    rows = b.failed.nonzero().squeeze(1)
+    fs = kept_set_full_sort(proc[rows], temperature[rows], top_k[rows], top_p[rows], min_p[rows])
+    value, last = _bounds_of_mask(proc[rows], fs.mask)
+    empty = fs.count == 0
+    b.value[rows] = torch.where(empty, math.inf, value)
+    b.last_id[rows] = torch.where(empty, -1, last)
+    b.count[rows] = fs.count.to(torch.int32)
+    b.logz[rows] = fs.logz
+    b.failed[rows] = 0
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    """int64 [R+1] exclusive cumsum of counts, on their device."""
+    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts, dim=0, out=offsets[1:])
+    return offsets
+
+
+def _total_and_flagged(offsets: torch.Tensor, failed: torch.Tensor) -> tuple[int, int]:
+    """The one device->host copy of the CSR path: ids to allocate, rows flagged."""
+    total, flagged = torch.stack([offsets[-1], failed.sum().to(torch.int64)]).tolist()
+    return total, flagged
+
+
+def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """int32 [total] kept ids of every row, ascending, at ``offsets`` (one launch)."""
+    x = proc if proc.stride(1) == 1 else proc.contiguous()
+    r, v = x.shape
+    ids = torch.empty(total, dtype=torch.int32, device=x.device)
+    if r and total:
+        _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, BLOCK=2 * BLOCK, num_warps=4)
+    return ids
+
+
+def kept_set_csr(proc, temperature, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept sets of truncating, non-greedy rows as CSR on the device: offsets int32 [R+1],
+    ids int32 [M] ascending per row, logz float64 [R].
+
+    Two launches, one cumsum and one small device->host copy (sizes the ids).
+    """
+    b = kept_bounds(proc, temperature, top_k, top_p, min_p)
+    offsets = _offsets(b.count)
+    total, flagged = _total_and_flagged(offsets, b.failed)
+    if flagged:
+        redo_flagged(proc, temperature, top_k, top_p, min_p, b)
+        offsets = _offsets(b.count)
+        total = int(offsets[-1])
+    offsets = offsets.to(torch.int32)
+    return offsets, compact(proc, b, offsets, total), b.logz
 
 
 def kept_set(
@@ -450,39 +567,16 @@ def kept_set(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    want_logz: bool = True,
-    uses_top_p: bool = True,
-) -> KeptSet:
-    """Kept sets of truncating, non-greedy rows as a dense bool mask + float64 logz.
+) -> GpuKeptSet:
+    """Kept sets of truncating, non-greedy rows as a dense bool mask + float64 logz (CUDA).
 
-    Args:
-        proc: float32 [R, V] processed logits (before temperature).
-        temperature: [R] (> 0). top_k: int64 [R] (0 = off). top_p: [R] (1 = off).
-        min_p: [R] (0 = off).
-        want_logz: compute logz (else it may be NaN).
-        uses_top_p: whether any row has top_p < 1, known on the host
-            (`SamplingMetadata.uses_top_p`); False skips the top-p passes.
-
-    CUDA with Triton: the sort-free search above (rows it cannot settle are redone by
-    the full sort). Elsewhere: the windowed partial sort of `truncation.kept_window`.
+    Two launches, no host sync (the sampler's draw reads the mask). proc: float32 [R, V]
+    processed logits (before temperature). temperature: [R] (> 0). top_k: int [R]
+    (0 = off). top_p: [R] (1 = off). min_p: [R] (0 = off).
     """
-    if proc.shape[0] == 0 or not uses_fast_path(proc.device):
-        return _kept_set_windowed(proc, temperature, top_k, top_p, min_p, want_logz)
-    ks, failed = _triton_kept_set(proc, temperature, top_k, top_p, min_p, uses_top_p)
-    if bool(failed.any()):
-        rows = failed.nonzero().squeeze(1)
-        fs = kept_set_full_sort(proc[rows], temperature[rows], top_k[rows], top_p[rows], min_p[rows])
-        ks.mask[rows], ks.count[rows], ks.logz[rows] = fs.mask, fs.count, fs.logz
-    return ks
-
-
-def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [R, V] -> (offsets int32 [R+1], ids int32 [M] ascending per row), on mask's device."""
-    r = mask.shape[0]
-    offsets = torch.zeros(r + 1, dtype=torch.int64, device=mask.device)
-    torch.cumsum(mask.sum(dim=1), dim=0, out=offsets[1:])
-    ids = mask.nonzero()[:, 1].to(torch.int32)  # row-major: sorted within each row
-    return offsets.to(torch.int32), ids
+    b = kept_bounds(proc, temperature, top_k, top_p, min_p)
+    return GpuKeptSet(dense_mask(proc, b.value, b.last_id), b.count, b.logz, bounds=b,
+                      params=(proc, temperature, top_k, top_p, min_p))
 
 
 def fill_sampling_mask_dense(
@@ -491,28 +585,52 @@ def fill_sampling_mask_dense(
     requested: torch.Tensor,
     g_rows: torch.Tensor,
     t_rows: torch.Tensor,
-    kept: KeptSet | None,
+    kept: GpuKeptSet | None,
 ) -> None:
-    """`sampler._fill_sampling_mask` for a dense kept set: CSR by one nonzero on the device.
+    """`sampler._fill_sampling_mask` on CUDA: the CSR compacted from the kept bounds.
 
-    Truncating rows take ``kept`` (rows of t_rows, in order); greedy rows their argmax,
-    with logz the argmax's mass under the temperature-1 softmax. Others: empty, logz 0.
+    Truncating rows take ``kept`` (rows of t_rows, in order); greedy rows their sampled
+    argmax, with logz its mass under the temperature-1 softmax; other rows are empty
+    with logz 0. One small device->host copy sizes the ids.
     """
     device = proc.device
-    b, v = proc.shape
+    b = proc.shape[0]
+    value = torch.full((b,), math.inf, dtype=torch.float32, device=device)
+    last = torch.full((b,), -1, dtype=torch.int32, device=device)
+    counts = torch.zeros(b, dtype=torch.int32, device=device)
     logz = torch.zeros(b, dtype=torch.float32, device=device)
-    mask = torch.zeros(b, v, dtype=torch.bool, device=device)
-    if t_rows.numel():
+    failed = torch.zeros(b, dtype=torch.int32, device=device)
+
+    def take_truncating() -> None:
         sel = requested[t_rows]
-        mask[t_rows] = kept.mask & sel.unsqueeze(1)
-        logz[t_rows] = torch.where(sel, kept.logz.float(), torch.zeros_like(logz[t_rows]))
+        kb = kept.bounds
+        value[t_rows] = torch.where(sel, kb.value, math.inf)
+        last[t_rows] = torch.where(sel, kb.last_id, -1)
+        counts[t_rows] = torch.where(sel, kb.count, 0)
+        logz[t_rows] = torch.where(sel, kb.logz.float(), 0.0)
+        failed[t_rows] = torch.where(sel, kb.failed, 0)
+
+    if t_rows.numel():
+        take_truncating()
     if g_rows.numel():
         rows = g_rows[requested[g_rows]]
         if rows.numel():
+            # (x[tok], tok) bounds exactly {tok}: tok is the first argmax
             tok = out.sampled_token_ids[rows]
-            mask[rows, tok] = True
             x = proc if rows.numel() == b else proc[rows]
+            xt = x.gather(1, tok.unsqueeze(1)).squeeze(1)
+            value[rows] = xt
+            last[rows] = tok.to(torch.int32)
+            counts[rows] = 1
             lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
-            logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
-    out.mask_offsets, out.mask_ids = mask_to_csr(mask)
+            logz[rows] = (xt.double() - lse).float()
+    offsets = _offsets(counts)
+    total, flagged = _total_and_flagged(offsets, failed)
+    if flagged:
+        redo_flagged(*kept.params, kept.bounds)
+        take_truncating()
+        offsets = _offsets(counts)
+        total = int(offsets[-1])
+    out.mask_offsets = offsets.to(torch.int32)
+    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, total)
     out.logz = logz

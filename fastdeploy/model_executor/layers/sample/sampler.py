@@ -173,8 +173,7 @@ class Sampler:
         if t_rows.numel() and fast:
             proc_t = take_rows(proc, t_rows)
             kept = kept_set_gpu.kept_set(
-                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows], want_mask,
-                uses_top_p=meta.uses_top_p,
+                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows]
             )
             x_t = apply_temperature(proc_t, temperature[t_rows])  # float32 [T, V]
             noise = gumbel_noise(t_rows, v, meta.generators, device, row_list=t_host)
