@@ -422,7 +422,6 @@ class ModelRunner:
             max_num_logprobs=max(wants_logprobs, default=-1),
             logprobs_mode=self.config.logprobs_mode,
             return_sampling_mask=mask,
-            uses_top_p=bool((top_p < 1.0).any()),
             row_groups=RowGroups(g_rows, t_rows, p_rows, tuple(g.tolist() for g in groups)),
         )
 

@@ -49,9 +49,6 @@ class SamplingMetadata:
     return_sampling_mask: torch.Tensor | None  # bool [B]
     # Optional guided-decoding bitmask: int32 [B, ceil(V / 32)], bit set = allowed.
     token_bitmask: torch.Tensor | None = None
-    # Whether any row has top_p < 1, decided on the host so the sampler need not read
-    # top_p back from the device; True when unknown (it only costs the top-p search).
-    uses_top_p: bool = True
     # Row split known on the host; None makes the sampler derive it on the device.
     row_groups: RowGroups | None = None
 
