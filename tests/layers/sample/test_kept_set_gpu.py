@@ -146,6 +146,19 @@ def interpreted_ties() -> None:
             assert ks.mask[r].nonzero().squeeze(1).tolist() == ref.ids.tolist()
 
 
+def interpreted_top_k_near_candidate_limit() -> None:
+    """k just under the candidate buffer: the count search must still settle every row."""
+    ksg.CANDIDATES = 64
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy((rng.standard_normal((6, 3000)) * 3).astype(np.float32))
+    t = torch.ones(6)
+    k = torch.tensor([33, 48, 60, 62, 64, 100])
+    p = torch.tensor([1.0, 0.9, 1.0, 0.95, 1.0, 0.8])
+    mp = torch.zeros(6)
+    ks = _kernel_kept_set(x, t, k, p, mp)
+    _check_rows(x, t, k, p, mp, ks)
+
+
 def _in_interpreter(call: str) -> None:
     """Runs ``call`` from this module in a child process with Triton's interpreter on.
 
@@ -177,6 +190,10 @@ def test_kernel_edge_rows_interpreted():
 
 def test_kernel_ties_cut_by_ascending_id_interpreted():
     _in_interpreter("interpreted_ties()")
+
+
+def test_kernel_top_k_near_candidate_limit_interpreted():
+    _in_interpreter("interpreted_top_k_near_candidate_limit()")
 
 
 def _to(obj, device):

@@ -12,8 +12,10 @@ host work in between (`_kept_set_kernel`):
    float64 normaliser ``Z = Σ exp((x - M) / T)`` (online, rescaled per lane).
 2. Top-k (k < #finite): passes over the row narrow a value interval ``(a, b]``
    holding the k-th entry by counting ``#{x > t}`` at 16 pivots (exact integer
-   counts), until at most ``CANDIDATES`` logits lie in it. For k <= CANDIDATES only
-   ``a`` moves, so the gathered logits are the whole top of the row.
+   counts), until at most ``CANDIDATES`` logits lie in it. For k <= CANDIDATES / 2
+   only ``a`` moves, so the gathered logits are the whole top of the row (the window
+   of acceptable counts, k..CANDIDATES, is then wide enough for the pivots to land in;
+   a narrow one, k close to CANDIDATES, could use up the passes).
 3. Top-p on the top-k renormalised mass: the same narrowing with the float32 mass
    above (or, for top_p >= 0.5, below) each pivot; a pivot moves an end only when
    its estimate is more than the relative error bound ``MASS_DELTA`` away from the
@@ -312,7 +314,7 @@ if triton is not None:
         if k_on:
             lower = _prev(fmin)
             a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, nfin, zero, bv, bid, m, it32, k, False,
-                                             (k <= C).to(tl.int32), C, False, DELTA, VALUE_PASSES, MAX_PASSES,
+                                             (k <= C // 2).to(tl.int32), C, False, DELTA, VALUE_PASSES, MAX_PASSES,
                                              P, BLOCK)
             if n_a - n_b <= C:
                 mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
