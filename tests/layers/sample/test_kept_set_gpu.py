@@ -147,14 +147,17 @@ def interpreted_ties() -> None:
 
 
 def interpreted_top_k_near_candidate_limit() -> None:
-    """k just under the candidate buffer: the count search must still settle every row."""
+    """k just under the candidate buffer, and a k-th entry inside a tie run far longer than the
+    buffer: the count search must still settle every row."""
     ksg.CANDIDATES = 64
     rng = np.random.default_rng(4)
-    x = torch.from_numpy((rng.standard_normal((6, 3000)) * 3).astype(np.float32))
-    t = torch.ones(6)
-    k = torch.tensor([33, 48, 60, 62, 64, 100])
-    p = torch.tensor([1.0, 0.9, 1.0, 0.95, 1.0, 0.8])
-    mp = torch.zeros(6)
+    x = torch.from_numpy((rng.standard_normal((8, 3000)) * 3).astype(np.float32))
+    x[6:] = 0.0
+    x[6:, 0], x[6:, 10:20], x[6:, 100:600] = 1.5, 1.0, 0.5  # the 20th entry sits in a run of 500
+    t = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.0])
+    k = torch.tensor([33, 48, 60, 62, 64, 100, 20, 30])
+    p = torch.tensor([1.0, 0.9, 1.0, 0.95, 1.0, 0.8, 0.99, 1.0])
+    mp = torch.zeros(8)
     ks = _kernel_kept_set(x, t, k, p, mp)
     _check_rows(x, t, k, p, mp, ks)
 
@@ -284,11 +287,12 @@ def test_gpu_masks_identical_to_cpu_reference(b, v):
     assert ksg.uses_fast_path(torch.device("cuda"))
     rng = np.random.default_rng(b * 7 + v)
     worst = 0.0
+    flagged: dict[str, int] = {}
     for name, config in GRID_CONFIGS.items():
         x, t, k, p, mp = _grid_rows(rng, b, v, config)
         dev = [a.cuda() for a in (x, t, k, p, mp)]
-        got = ksg.kept_set(*dev)
-        assert int(got.bounds.failed.sum()) == 0, f"{name}: rows flagged"
+        flagged[name] = flagged.get(name, 0) + int(ksg.kept_bounds(*dev).failed.sum())
+        got = ksg.kept_set(*dev)  # flagged rows redone by the full sort
         offsets, ids, logz = ksg.kept_set_csr(*dev)
         mask = got.mask.cpu()
         assert torch.equal(offsets.diff().cpu(), got.count.cpu()), name
@@ -310,7 +314,9 @@ def test_gpu_masks_identical_to_cpu_reference(b, v):
         err = float((got.logz.cpu()[finite] - want.logz[finite]).abs().max()) if bool(finite.any()) else 0.0
         assert err <= LOGZ_TOL, f"{name}: logz error {err}"
         worst = max(worst, err)
-    print(f"\nKEPT_SET_GPU b={b} v={v} identical masks, max_logz_err={worst:.3e}")
+    # Flagged rows are exact through the full-sort redo; they must stay the exception.
+    assert sum(flagged.values()) <= max(1, b * len(GRID_CONFIGS) // 50), flagged
+    print(f"\nKEPT_SET_GPU b={b} v={v} identical masks, max_logz_err={worst:.3e}, flagged={flagged}")
 
 
 @pytest.mark.gpu

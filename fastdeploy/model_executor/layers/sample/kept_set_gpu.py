@@ -316,6 +316,11 @@ if triton is not None:
             a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, nfin, zero, bv, bid, m, it32, k, False,
                                              (k <= C // 2).to(tl.int32), C, False, DELTA, VALUE_PASSES, MAX_PASSES,
                                              P, BLOCK)
+            if (n_a - n_b > C) & (single == 0):
+                # A tie run straddles the k-th entry, so no cut of the top holds between k and C
+                # entries: narrow both ends onto the run instead.
+                a, b, n_a, n_b, single = _narrow(xrow, V, a, b, n_a, n_b, bv, bid, m, it32, k, False, zero, C,
+                                                 False, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
             if n_a - n_b <= C:
                 mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
                 vals, ids, e, cum = _sorted_list(cand_row, n_a - n_b, V, m64, it, C)
@@ -572,11 +577,16 @@ def kept_set(
 ) -> GpuKeptSet:
     """Kept sets of truncating, non-greedy rows as a dense bool mask + float64 logz (CUDA).
 
-    Two launches, no host sync (the sampler's draw reads the mask). proc: float32 [R, V]
+    Two launches and one host sync (the sampler's draw reads the mask). proc: float32 [R, V]
     processed logits (before temperature). temperature: [R] (> 0). top_k: int [R]
     (0 = off). top_p: [R] (1 = off). min_p: [R] (0 = off).
     """
     b = kept_bounds(proc, temperature, top_k, top_p, min_p)
+    # A row the kernel could not settle holds a superset of its kept set, and a draw from it
+    # would be wrong; such rows (rare: none in most grids) are redone by the full sort. Reading
+    # the flag is this call's one host sync.
+    if bool(b.failed.any()):
+        redo_flagged(proc, temperature, top_k, top_p, min_p, b)
     return GpuKeptSet(dense_mask(proc, b.value, b.last_id), b.count, b.logz, bounds=b,
                       params=(proc, temperature, top_k, top_p, min_p))
 
