@@ -324,3 +324,25 @@ def test_gpu_masks_identical_to_cpu_reference(b, v):
 def test_gpu_sampler_mask_and_draw():
     worst = max(_sampler_check("cuda", 64, 49152, seed=31), _sampler_check("cuda", 128, 500, seed=32))
     print(f"\nKEPT_SET_GPU sampler max_logz_err={worst:.3e}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_kept_set_on_the_sampler_check_rows():
+    """The kept set on exactly the truncating rows `test_gpu_sampler_mask_and_draw` draws from
+    (same seed, gathered as the sampler gathers them) equals the float64 full sort: separates
+    a kernel fault from a fault in the draw."""
+    rng = np.random.default_rng(31)
+    b, v = 64, 49152
+    x, t, k, p, mp = _random_rows(rng, b, v)
+    t[rng.random(b) < 0.1] = 0.0
+    rows = torch.nonzero((t > 0) & ((k > 0) | (p < 1) | (mp > 0))).squeeze(1)
+    args = [a[rows] for a in (x, t, k, p, mp)]
+    got = ksg.kept_set(*[a.cuda() for a in args])
+    want = kept_set_full_sort(*args)
+    mask = got.mask.cpu()
+    for i in (mask != want.mask).any(dim=1).nonzero().squeeze(1).tolist():
+        r = int(rows[i])
+        ref = reference_kept_set(x[r].numpy(), float(t[r]), int(k[r]), float(p[r]), float(mp[r]))
+        diff = set((mask[i] ^ want.mask[i]).nonzero().squeeze(1).tolist())
+        assert diff <= ref.ambiguous, f"row {r}: differs outside ties: {sorted(diff)[:10]}"
