@@ -16,15 +16,29 @@ exactly, and greedy rows reduce to "longest matching prefix + one bonus token".
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+
+def accept_counts(tokens: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """Tokens accepted per sequence, on the tensors' device (no host sync).
+
+    tokens: int64 [B, S], the token sampled at each of a sequence's slots; drafted: int64
+    [B, S - 1], the draft at each slot, -1 where a sequence has fewer drafts (-1 never equals a
+    sampled token). Returns int32 [B]: 1 + the length of the prefix where draft and sample agree.
+    """
+    agree = (tokens[:, :-1] == drafted).to(torch.int32)
+    return (1 + agree.cumprod(dim=1).sum(dim=1)).to(torch.int32)
+
 
 def accepted_counts(sampled: list[int], drafts: list[list[int]]) -> list[int]:
-    """Tokens accepted per sequence (1..len(draft)+1); `sampled` holds 1 + len(d) slots per sequence."""
-    counts = []
+    """`accept_counts` over host lists; `sampled` holds 1 + len(d) slots per sequence, one after another."""
+    width = 1 + max((len(d) for d in drafts), default=0)
+    tokens = np.full((len(drafts), width), -1, dtype=np.int64)
+    drafted = np.full((len(drafts), width - 1), -1, dtype=np.int64)
     offset = 0
-    for draft in drafts:
-        n = 0
-        while n < len(draft) and sampled[offset + n] == draft[n]:
-            n += 1
-        counts.append(n + 1)
+    for b, draft in enumerate(drafts):
+        tokens[b, :len(draft) + 1] = sampled[offset:offset + len(draft) + 1]
+        drafted[b, :len(draft)] = draft
         offset += len(draft) + 1
-    return counts
+    return accept_counts(torch.from_numpy(tokens), torch.from_numpy(drafted)).tolist()

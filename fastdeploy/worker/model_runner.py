@@ -28,6 +28,7 @@ from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_draft
 from fastdeploy.spec_decode.mtp_pass import MTPPass
 from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
+from fastdeploy.spec_decode.verification import accept_counts
 from fastdeploy.worker.cuda_graph import CudaGraphRunner, DecodeBuffers
 from fastdeploy.worker.device_inputs import upload, upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
@@ -507,11 +508,10 @@ def _step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]
     valid = index_d >= 0
     rows = index_d.clamp(min=0)
     tokens = sampled[rows]
-    agree = (tokens[:, :-1] == drafted_d).to(torch.int32)
     slots = StepSlots(
         message_id=message_id,
         seq_ids=seq_ids_d,
-        accept_counts=(1 + agree.cumprod(dim=1).sum(dim=1)).to(torch.int32),
+        accept_counts=accept_counts(tokens, drafted_d),
         token_ids=tokens,
         num_logprobs=-1 if out.logprobs is None else out.logprobs.shape[1] - 1,
     )
