@@ -66,6 +66,7 @@ MASS_DELTA = 1e-4  # bound on the relative error of float32 mass sums (actual: <
 SPAN = 50.0  # tokens more than SPAN * T below the max carry < V e^-SPAN of the mass
 BLOCK = 512  # logits per loop step of the row kernel
 NUM_WARPS = 8
+NUM_STAGES = 3  # software pipelining depth of the row loops (Triton's CUDA default)
 MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
 
 
@@ -491,7 +492,7 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
         x, x.stride(0), v, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
         cand, out.value, out.last_id, out.count, out.logz, out.failed,
         C=CANDIDATES, P=PIVOTS, DELTA=MASS_DELTA, SPAN=SPAN, VALUE_PASSES=VALUE_PASSES, MAX_PASSES=MAX_PASSES,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
 
