@@ -67,12 +67,13 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 
 def graph_replay_ms(graphs, batch: int, repeats: int = 20) -> float:
     """The model forward alone: replays of the captured graph on the last step's inputs (median)."""
-    graph = graphs.graphs[next(b for b in graphs.sizes if b >= batch)]
+    runner = graphs.graphs
+    size = runner.padded_size(batch)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        runner.replay(size)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
