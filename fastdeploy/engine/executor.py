@@ -12,7 +12,6 @@ import msgspec
 import zmq
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.distributed.parallel_state import destroy_tensor_parallel
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
@@ -42,9 +41,7 @@ class InProcessExecutor:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
-        if self.followers:
-            self.runner.stop_followers()
-        destroy_tensor_parallel()  # with the followers, which leave the group as they stop
+        self.runner.shutdown()  # with the followers, which leave the group as they stop
         for process in self.followers:
             process.join(timeout=5)
             if process.is_alive():

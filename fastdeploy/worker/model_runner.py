@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -12,7 +13,14 @@ import numpy as np
 import torch
 
 from fastdeploy.config import EngineConfig, ModelConfig, resolve_dtype
-from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_bytes, init_tensor_parallel, tp_size
+from fastdeploy.distributed.parallel_state import (
+    all_reduce_min,
+    broadcast_bytes,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    tp_rank,
+    tp_size,
+)
 from fastdeploy.distributed.shard import local_config
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
@@ -261,10 +269,18 @@ class ModelRunner:
             return bitmask
         return bitmask.to(self.device, non_blocking=True)
 
-    def stop_followers(self) -> None:
-        """Rank 0: release the other ranks' `follow` loops."""
-        if tp_size() > 1:
+    def shutdown(self) -> None:
+        """Leave the tensor-parallel group (every rank calls this; rank 0 first releases the
+        other ranks' `follow` loops). The CUDA graphs go first: graphs holding captured NCCL
+        collectives keep a communicator from tearing down (pytorch/pytorch#115388)."""
+        if tp_size() > 1 and tp_rank() == 0:
             broadcast_bytes(b"")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.cuda_graphs = None
+        self.mtp = None
+        gc.collect()
+        destroy_tensor_parallel()
 
     def _mtp_step(self, chunks: list[ChunkInput], hidden: torch.Tensor, accepted: dict[int, int],
                   drafts: dict[int, list[int]]) -> None:

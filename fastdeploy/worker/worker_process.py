@@ -16,7 +16,6 @@ import psutil
 import zmq
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.distributed.parallel_state import destroy_tensor_parallel
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_input import StepInput
@@ -64,7 +63,7 @@ def run_follower(config: EngineConfig, directory: str, rank: int, parent_pid: in
     runner = ModelRunner(config, rank, tp_init_file(directory))
     while runner.follow():
         pass
-    destroy_tensor_parallel()
+    runner.shutdown()
     logger.info("tensor-parallel rank %d stopped", rank)
 
 
@@ -99,8 +98,7 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
                 continue
             sock.send_multipart([FRAME, frame, encoder.encode(events)], copy=False)
     finally:
-        runner.stop_followers()
-        destroy_tensor_parallel()
+        runner.shutdown()
         sock.close()
         ctx.term()
         logger.info("worker %d stopped", os.getpid())
