@@ -25,16 +25,6 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True):
     ids: bytes = b""  # int32 LE [offsets[n]], each row's ids sorted
 
     @classmethod
-    def from_csr(cls, offsets: np.ndarray, ids: np.ndarray, start: int = 0, end: int | None = None) -> SamplingMasks:
-        """Rows start..end of a CSR whose `offsets` may not start at 0 (views into a frame).
-
-        Copies the rows' ids once (into bytes) and the n + 1 offsets, rebased."""
-        end = len(offsets) - 1 if end is None else end
-        rows = offsets[start:end + 1]
-        first, last = int(rows[0]), int(rows[-1])
-        return cls((rows - first).astype(_I32, copy=False).tobytes(), ids[first:last].astype(_I32, copy=False).tobytes())
-
-    @classmethod
     def from_lists(cls, masks: Sequence[Sequence[int] | None]) -> SamplingMasks:
         """The CSR of the public form; None (null) becomes an empty row."""
         lengths = np.fromiter((0 if m is None else len(m) for m in masks), dtype=np.int64, count=len(masks))
@@ -90,3 +80,25 @@ def concat_masks(runs: Sequence[SamplingMasks]) -> SamplingMasks:
         parts.append(offsets[1:] + base)
         base += int(offsets[-1])
     return SamplingMasks(np.concatenate(parts).astype(_I32, copy=False).tobytes(), b"".join(r.ids for r in runs))
+
+
+def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> list[SamplingMasks]:
+    """A CSR (a frame's views; `offsets` need not start at 0) cut into consecutive runs of
+    `counts[b]` rows, each rebased to its own start.
+
+    The offsets of every run are rebased in one numpy pass; then each run costs two bytes
+    slices (one copy of its ids), as a step carries the masks of hundreds of sequences."""
+    counts64 = np.asarray(counts, dtype=np.int64)
+    starts = np.cumsum(counts64) - counts64  # first row of each run
+    entries = counts64 + 1  # offsets entries per run
+    first_entry = np.cumsum(entries) - entries
+    rows = np.repeat(starts - first_entry, entries) + np.arange(int(entries.sum()), dtype=np.int64)
+    offsets64 = offsets.astype(np.int64)
+    table = (offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32).tobytes()
+    id_bytes = memoryview(np.ascontiguousarray(ids, dtype=_I32)).cast("B")
+    size = _I32.itemsize
+    runs = []
+    for entry, n, a, b in zip(first_entry.tolist(), counts64.tolist(), offsets64[starts].tolist(),
+                              offsets64[starts + counts64].tolist()):
+        runs.append(SamplingMasks(table[entry * size:(entry + n + 1) * size], bytes(id_bytes[a * size:b * size])))
+    return runs

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdeploy.output.sampling_masks import SamplingMasks
+from fastdeploy.output.sampling_masks import SamplingMasks, split_runs
 
 HAS_LOGPROBS = 1
 HAS_MASK = 2
@@ -143,11 +143,14 @@ def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
     lp_ids = frame.lp_ids.tolist() if frame.lp_ids is not None else None
     lp_values = frame.lp_values.tolist() if frame.lp_values is not None else None
     ranks = frame.ranks.tolist() if frame.ranks is not None else None
-    has_mask = frame.mask_offsets is not None
-    logz = frame.logz.tolist() if has_mask else None
+    masks: list[SamplingMasks] | None = None
+    logz = None
+    if frame.mask_offsets is not None:
+        masks = split_runs(frame.mask_offsets, frame.mask_ids, counts)
+        logz = frame.logz.tolist()
     results = []
     start = 0
-    for seq_id, count in zip(seq_ids, counts):
+    for b, (seq_id, count) in enumerate(zip(seq_ids, counts)):
         end = start + count
         results.append(
             SeqStepResult(
@@ -156,8 +159,7 @@ def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
                 logprobs=lp_values[start:end] if lp_values is not None else None,
                 logprob_token_ids=lp_ids[start:end] if lp_ids is not None else None,
                 ranks=ranks[start:end] if ranks is not None else None,
-                sampling_mask=(SamplingMasks.from_csr(frame.mask_offsets, frame.mask_ids, start, end)
-                               if has_mask else None),
+                sampling_mask=masks[b] if masks is not None else None,
                 logz=logz[start:end] if logz is not None else None,
             )
         )

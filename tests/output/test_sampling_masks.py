@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fastdeploy.engine.request import EngineOutputs, RequestDelta
-from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks
+from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, split_runs
 
 MASKS = [[3, 10], None, [12], [0, 1, 2, 49151], None]
 
@@ -37,15 +37,20 @@ def test_empty_run():
         assert empty.offsets_array().tolist() == [0]
 
 
-def test_from_csr_rebases_a_slice_of_frame_views():
+def test_split_runs_rebases_consecutive_runs_of_frame_views():
     offsets = np.array([0, 2, 2, 3, 7, 7], dtype="<i4")
     ids = np.array([3, 10, 12, 0, 1, 2, 49151], dtype="<i4")
-    for start in range(6):
-        for end in range(start, 6):
-            part = SamplingMasks.from_csr(offsets, ids, start, end)
-            assert part.offsets_array()[0] == 0
-            assert part.to_lists() == MASKS[start:end]
-    assert SamplingMasks.from_csr(offsets, ids) == SamplingMasks.from_lists(MASKS)
+    for counts in ([5], [0, 5], [2, 0, 3], [1, 1, 1, 1, 1], [0, 2, 2, 0, 1, 0], [3, 2, 0]):
+        runs = split_runs(offsets, ids, counts)
+        bounds = np.cumsum([0] + counts).tolist()
+        assert [r.to_lists() for r in runs] == [MASKS[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        assert all(r.offsets_array()[0] == 0 for r in runs)
+        assert concat_masks(runs) == SamplingMasks.from_lists(MASKS)
+    # offsets that do not start at 0 (a slice of a larger CSR)
+    tail = split_runs(offsets[2:] + 100, np.concatenate([np.zeros(102, "<i4"), ids[2:]]), [1, 2])
+    assert [r.to_lists() for r in tail] == [MASKS[2:3], MASKS[3:5]]
+    assert split_runs(offsets[:1], ids[:0], []) == []
+    assert [r.to_lists() for r in split_runs(offsets[:1], ids[:0], [0, 0])] == [[], []]
 
 
 def test_concat_matches_list_concatenation():
