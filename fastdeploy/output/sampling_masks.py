@@ -12,6 +12,7 @@ Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row me
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import msgspec
 import numpy as np
@@ -64,7 +65,7 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True):
         (np.split, one big .tolist() sliced in Python) at 64 tokens x 4,500 ids."""
         offsets = self.offsets_array().tolist()
         ids = self.ids_array()
-        return [ids[a:b].tolist() if b > a else None for a, b in zip(offsets[:-1], offsets[1:])]
+        return [ids[a:b].tolist() if b > a else None for a, b in pairwise(offsets)]
 
 
 def concat_masks(runs: Sequence[SamplingMasks]) -> SamplingMasks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import msgspec
 import numpy as np
 import pytest
@@ -31,7 +33,8 @@ def test_from_lists_round_trip_and_null_rows():
 
 
 def test_empty_run():
-    for empty in (SamplingMasks(), SamplingMasks.from_lists([]), concat_masks([]), SamplingMasks.from_lists(MASKS).head(0)):
+    empties = (SamplingMasks(), SamplingMasks.from_lists([]), concat_masks([]), SamplingMasks.from_lists(MASKS).head(0))
+    for empty in empties:
         assert len(empty) == 0 and empty.num_ids == 0
         assert empty.to_lists() == []
         assert empty.offsets_array().tolist() == [0]
@@ -43,7 +46,7 @@ def test_split_runs_rebases_consecutive_runs_of_frame_views():
     for counts in ([5], [0, 5], [2, 0, 3], [1, 1, 1, 1, 1], [0, 2, 2, 0, 1, 0], [3, 2, 0]):
         runs = split_runs(offsets, ids, counts)
         bounds = np.cumsum([0] + counts).tolist()
-        assert [r.to_lists() for r in runs] == [MASKS[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        assert [r.to_lists() for r in runs] == [MASKS[a:b] for a, b in pairwise(bounds)]
         assert all(r.offsets_array()[0] == 0 for r in runs)
         assert concat_masks(runs) == SamplingMasks.from_lists(MASKS)
     # offsets that do not start at 0 (a slice of a larger CSR)
