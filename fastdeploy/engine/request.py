@@ -6,6 +6,7 @@ import msgspec
 
 from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.output.sampling_masks import SamplingMasks
 from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 
@@ -33,7 +34,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one engine step produced for one request.
 
     Per-token lists are aligned with `token_ids`. `top_logprob_ids[i][0]` is the
-    sampled token; the rest are the top-k.
+    sampled token; the rest are the top-k. `sampling_mask` holds one CSR row per token.
     """
 
     request_id: str
@@ -41,7 +42,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[list[float]] | None = None
     logprob_token_ids: list[list[int]] | None = None
     ranks: list[int] | None = None
-    sampling_mask: list[list[int] | None] | None = None
+    sampling_mask: SamplingMasks | None = None
     logz: list[float] | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from fastdeploy.engine.request import RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
+from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks
 
 
 @dataclass
@@ -32,7 +33,7 @@ class OutputChunk:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    sampling_mask: list[list[int] | None] | None
+    sampling_masks: SamplingMasks | None  # CSR; lists only when a response is written
     sampling_logz: list[float] | None
     finish_reason: str | None
     stop_reason: int | str | None
@@ -43,30 +44,55 @@ class OutputChunk:
 
 @dataclass
 class CompletionOutput:
-    """One whole sample, accumulated from its chunks (offline results, non-streaming responses)."""
+    """One whole sample, accumulated from its chunks (offline results, non-streaming responses).
+
+    `sampling_mask` is the public form (one sorted id list or None per token), built from
+    the CSR chunks on first read; `sampling_masks` is the same as one CSR run.
+    """
 
     index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    sampling_mask: list[list[int] | None] | None = None
     sampling_logz: list[float] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     error_status: int = 500
+    # Chunks are joined once when read, not at every step: joining per step copies a
+    # long generation's ids over and over.
+    _mask_runs: list[SamplingMasks] | None = field(default=None, init=False, repr=False)
+    _mask_lists: list[list[int] | None] | None = field(default=None, init=False, repr=False)
 
     def add(self, chunk: OutputChunk) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
-        if chunk.sampling_mask is not None:
-            self.sampling_mask = (self.sampling_mask or []) + chunk.sampling_mask
+        if chunk.sampling_masks is not None:
+            self._mask_runs = (self._mask_runs or []) + [chunk.sampling_masks]
+            self._mask_lists = None
             self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
         if chunk.finish_reason is not None:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
             self.error, self.error_status = chunk.error, chunk.error_status
+
+    @property
+    def sampling_masks(self) -> SamplingMasks | None:
+        if self._mask_runs is None:
+            return None
+        if len(self._mask_runs) != 1:
+            self._mask_runs = [concat_masks(self._mask_runs)]
+        return self._mask_runs[0]
+
+    @property
+    def sampling_mask(self) -> list[list[int] | None] | None:
+        masks = self.sampling_masks
+        if masks is None:
+            return None
+        if self._mask_lists is None:
+            self._mask_lists = masks.to_lists()
+        return self._mask_lists
 
 
 class RequestOutputState:
@@ -135,7 +161,7 @@ class RequestOutputState:
             text=text,
             token_ids=delta.token_ids,
             logprobs=self._logprob_entries(delta),
-            sampling_mask=delta.sampling_mask,
+            sampling_masks=delta.sampling_mask,
             sampling_logz=delta.logz,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
@@ -146,11 +172,11 @@ class RequestOutputState:
 
 
 def _first_tokens(delta: RequestDelta, n: int) -> RequestDelta:
-    """The delta cut to its first n tokens (every per-token list alike)."""
+    """The delta cut to its first n tokens (every per-token field alike)."""
     def cut(values: list | None) -> list | None:
         return None if values is None else values[:n]
 
     return msgspec.structs.replace(
         delta, token_ids=delta.token_ids[:n], logprobs=cut(delta.logprobs),
         logprob_token_ids=cut(delta.logprob_token_ids), ranks=cut(delta.ranks),
-        sampling_mask=cut(delta.sampling_mask), logz=cut(delta.logz))
+        sampling_mask=None if delta.sampling_mask is None else delta.sampling_mask.head(n), logz=cut(delta.logz))

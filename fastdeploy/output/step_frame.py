@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fastdeploy.output.sampling_masks import SamplingMasks, split_runs
 
 HAS_LOGPROBS = 1
 HAS_MASK = 2
@@ -123,14 +124,15 @@ def unpack_step_frame(buf: bytes) -> StepFrame:
 
 @dataclass
 class SeqStepResult:
-    """One sequence's share of a frame, as Python lists (one .tolist() per array)."""
+    """One sequence's share of a frame, as Python lists (one .tolist() per array); the
+    sampling masks stay CSR, as they can hold thousands of ids per token."""
 
     seq_id: int
     token_ids: list[int]
     logprobs: list[list[float]] | None
     logprob_token_ids: list[list[int]] | None
     ranks: list[int] | None
-    sampling_mask: list[list[int] | None] | None
+    sampling_mask: SamplingMasks | None
     logz: list[float] | None
 
 
@@ -141,16 +143,14 @@ def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
     lp_ids = frame.lp_ids.tolist() if frame.lp_ids is not None else None
     lp_values = frame.lp_values.tolist() if frame.lp_values is not None else None
     ranks = frame.ranks.tolist() if frame.ranks is not None else None
-    masks: list[list[int] | None] | None = None
+    masks: list[SamplingMasks] | None = None
     logz = None
     if frame.mask_offsets is not None:
-        offsets = frame.mask_offsets.tolist()
-        ids = frame.mask_ids.tolist()
-        masks = [ids[a:b] if b > a else None for a, b in zip(offsets[:-1], offsets[1:])]
+        masks = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         logz = frame.logz.tolist()
     results = []
     start = 0
-    for seq_id, count in zip(seq_ids, counts):
+    for b, (seq_id, count) in enumerate(zip(seq_ids, counts)):
         end = start + count
         results.append(
             SeqStepResult(
@@ -159,7 +159,7 @@ def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
                 logprobs=lp_values[start:end] if lp_values is not None else None,
                 logprob_token_ids=lp_ids[start:end] if lp_ids is not None else None,
                 ranks=ranks[start:end] if ranks is not None else None,
-                sampling_mask=masks[start:end] if masks is not None else None,
+                sampling_mask=masks[b] if masks is not None else None,
                 logz=logz[start:end] if logz is not None else None,
             )
         )

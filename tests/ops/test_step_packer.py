@@ -102,8 +102,8 @@ def test_gathered_rows_are_the_accepted_slots():
     masks = [step.mask_ids[offsets[b * 5 + s]:offsets[b * 5 + s + 1]].tolist() for b, s in rows]
     parts = split_by_sequence(frame)
     assert [p.seq_id for p in parts] == step.seq_ids.tolist()
-    assert parts[1].token_ids == [] and parts[1].sampling_mask == []
-    got_masks = parts[0].sampling_mask + parts[2].sampling_mask
+    assert parts[1].token_ids == [] and parts[1].sampling_mask.to_lists() == []
+    got_masks = parts[0].sampling_mask.to_lists() + parts[2].sampling_mask.to_lists()
     assert got_masks == [m or None for m in masks]
 
 

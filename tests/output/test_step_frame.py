@@ -97,7 +97,7 @@ def test_split_by_sequence_keys_rows_by_seq_id_and_maps_empty_masks_to_null():
     parts = split_by_sequence(unpack_step_frame(pack_step_frame(frame)))
     assert [p.seq_id for p in parts] == [42, 7]
     assert parts[0].token_ids == [10, 11] and parts[1].token_ids == [12]
-    assert parts[0].sampling_mask == [[3, 10], None]
-    assert parts[1].sampling_mask == [[12]]
+    assert parts[0].sampling_mask.to_lists() == [[3, 10], None]
+    assert parts[1].sampling_mask.to_lists() == [[12]]
     assert parts[0].logprob_token_ids == [[10, 3], [11, 4]]
     assert parts[1].ranks == [3]

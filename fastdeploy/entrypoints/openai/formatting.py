@@ -37,8 +37,10 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
 def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_ids: bool) -> dict:
     """The fields OpenAI does not have: sampling masks and token ids."""
     extra = {}
-    if chunk_or_choice.sampling_mask is not None:
-        extra["sampling_mask"] = chunk_or_choice.sampling_mask
+    masks = chunk_or_choice.sampling_masks
+    if masks is not None:
+        # The only place the CSR becomes Python lists on the server.
+        extra["sampling_mask"] = masks.to_lists()
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     if return_token_ids:
         extra["token_ids"] = chunk_or_choice.token_ids

@@ -1,0 +1,105 @@
+"""The sampling masks of a run of tokens, kept as int32 CSR from the worker's frame to the API layer.
+
+A token's kept set can hold thousands of vocabulary ids, and every generated token has one.
+Turning them into Python lists per step in the engine costs far more than computing them,
+so they travel as two little-endian int32 byte strings (msgpack carries each as one binary
+blob) and become lists only where a response is written.
+
+Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row means null
+(the whole vocabulary): a kept set is never empty, a greedy row holds its argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+import msgspec
+import numpy as np
+
+_I32 = np.dtype("<i4")
+_EMPTY_OFFSETS = np.zeros(1, dtype=_I32).tobytes()
+
+
+class SamplingMasks(msgspec.Struct, array_like=True, frozen=True):
+    offsets: bytes = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
+    ids: bytes = b""  # int32 LE [offsets[n]], each row's ids sorted
+
+    @classmethod
+    def from_lists(cls, masks: Sequence[Sequence[int] | None]) -> SamplingMasks:
+        """The CSR of the public form; None (null) becomes an empty row."""
+        lengths = np.fromiter((0 if m is None else len(m) for m in masks), dtype=np.int64, count=len(masks))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(_I32)
+        ids = [i for m in masks if m for i in m]
+        return cls(offsets.tobytes(), np.asarray(ids, dtype=_I32).tobytes())
+
+    def offsets_array(self) -> np.ndarray:
+        return np.frombuffer(self.offsets, dtype=_I32)
+
+    def ids_array(self) -> np.ndarray:
+        return np.frombuffer(self.ids, dtype=_I32)
+
+    def __len__(self) -> int:
+        """Number of tokens (rows)."""
+        return len(self.offsets) // _I32.itemsize - 1
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.ids) // _I32.itemsize
+
+    def row_lengths(self) -> np.ndarray:
+        """Ids kept per token; 0 for a null row."""
+        return np.diff(self.offsets_array())
+
+    def head(self, n: int) -> SamplingMasks:
+        """The first n >= 0 rows (all of them when n >= len)."""
+        if n >= len(self):
+            return self
+        end = int(self.offsets_array()[n])
+        return SamplingMasks(self.offsets[:(n + 1) * _I32.itemsize], self.ids[:end * _I32.itemsize])
+
+    def to_lists(self) -> list[list[int] | None]:
+        """The public form: one sorted id list per token, None for a null row.
+
+        One `.tolist()` per row on numpy slices: the fastest of the numpy ways measured
+        (np.split, one big .tolist() sliced in Python) at 64 tokens x 4,500 ids."""
+        offsets = self.offsets_array().tolist()
+        ids = self.ids_array()
+        return [ids[a:b].tolist() if b > a else None for a, b in pairwise(offsets)]
+
+
+def concat_masks(runs: Sequence[SamplingMasks]) -> SamplingMasks:
+    """The runs one after the other, as one run: one copy of the ids, offsets rebased."""
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        return SamplingMasks()
+    parts = [runs[0].offsets_array()]
+    base = int(parts[0][-1])
+    for run in runs[1:]:
+        offsets = run.offsets_array()
+        parts.append(offsets[1:] + base)
+        base += int(offsets[-1])
+    return SamplingMasks(np.concatenate(parts).astype(_I32, copy=False).tobytes(), b"".join(r.ids for r in runs))
+
+
+def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> list[SamplingMasks]:
+    """A CSR (a frame's views; `offsets` need not start at 0) cut into consecutive runs of
+    `counts[b]` rows, each rebased to its own start.
+
+    The offsets of every run are rebased in one numpy pass; then each run costs two bytes
+    slices (one copy of its ids), as a step carries the masks of hundreds of sequences."""
+    counts64 = np.asarray(counts, dtype=np.int64)
+    starts = np.cumsum(counts64) - counts64  # first row of each run
+    entries = counts64 + 1  # offsets entries per run
+    first_entry = np.cumsum(entries) - entries
+    rows = np.repeat(starts - first_entry, entries) + np.arange(int(entries.sum()), dtype=np.int64)
+    offsets64 = offsets.astype(np.int64)
+    table = (offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32).tobytes()
+    id_bytes = memoryview(np.ascontiguousarray(ids, dtype=_I32)).cast("B")
+    size = _I32.itemsize
+    runs = []
+    for entry, n, a, b in zip(first_entry.tolist(), counts64.tolist(), offsets64[starts].tolist(),
+                              offsets64[starts + counts64].tolist()):
+        runs.append(SamplingMasks(table[entry * size:(entry + n + 1) * size], bytes(id_bytes[a * size:b * size])))
+    return runs

@@ -1,0 +1,115 @@
+"""Sampling masks from a frame to the response, through the real engine-side and caller-side
+processors: stop-token and stop-string cuts, accumulation, and the public list form."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from fastdeploy.engine.request import EngineOutputs
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.formatting import extra_fields
+from fastdeploy.model_executor.model_loader import get_tokenizer
+from fastdeploy.output.detokenizer import TokenTexts
+from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
+from fastdeploy.output.sampling_masks import SamplingMasks
+from fastdeploy.output.step_frame import StepFrame, pack_step_frame
+from fastdeploy.output.token_processor import TokenProcessor
+from fastdeploy.scheduler.sequence import Sequence
+
+
+def frame_of(seq_ids: list[int], tokens: list[list[int]], masks: list[list[list[int] | None]]) -> bytes:
+    flat = [m for ms in masks for m in ms]
+    csr = SamplingMasks.from_lists(flat)
+    return pack_step_frame(StepFrame(
+        message_id=1,
+        seq_ids=np.array(seq_ids, dtype=np.int64),
+        num_tokens=np.array([len(t) for t in tokens], dtype=np.int32),
+        token_ids=np.array([t for ts in tokens for t in ts], dtype=np.int64),
+        mask_offsets=csr.offsets_array(),
+        mask_ids=csr.ids_array(),
+        logz=-np.arange(len(flat), dtype=np.float32) / 10,
+    ))
+
+
+def test_token_processor_cuts_masks_at_the_finishing_token_and_drops_opted_out_rows():
+    stop = 99
+    sequences = {
+        1: Sequence(1, "a", [5], SamplingParams(stop_token_ids=[stop]), return_sampling_mask=True),
+        2: Sequence(2, "b", [5], SamplingParams(), return_sampling_mask=False),
+        3: Sequence(3, "c", [5], SamplingParams(), return_sampling_mask=True),
+    }
+    masks = [[[1, 2], None, [stop, 100], [7]], [None], []]
+    frame = frame_of([1, 2, 3], [[10, 11, stop, 12], [13], []], masks)
+    out = {seq.seq_id: delta for seq, delta in TokenProcessor([0], 512).process(frame, sequences)}
+    assert out[1].token_ids == [10, 11, stop] and out[1].finish_reason == "stop"
+    assert out[1].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]
+    assert out[1].logz == pytest.approx([0.0, -0.1, -0.2])
+    assert out[2].sampling_mask is None and out[2].logz is None
+    assert out[3].sampling_mask.to_lists() == [] and out[3].logz == []
+    # what the API server receives
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(EngineOutputs([out[1]])), type=EngineOutputs)
+    assert back.deltas[0].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return get_tokenizer(None)
+
+
+def run_deltas(tokenizer, params: SamplingParams, token_runs: list[list[int]],
+               mask_runs: list[list[list[int] | None]]) -> tuple[list, CompletionOutput]:
+    state = RequestOutputState(params, tokenizer, TokenTexts(tokenizer))
+    output = CompletionOutput()
+    chunks = []
+    sequences = {1: Sequence(1, "r", [5], params, return_sampling_mask=True)}
+    for tokens, masks in zip(token_runs, mask_runs):
+        for _, delta in TokenProcessor([0], 10_000).process(frame_of([1], [tokens], [masks]), sequences):
+            chunk = state.update(delta)
+            chunks.append(chunk)
+            output.add(chunk)
+            if chunk.finish_reason is not None:
+                return chunks, output
+    return chunks, output
+
+
+def test_stop_string_inside_a_multi_token_delta_cuts_its_masks(tokenizer):
+    tokens = tokenizer.encode("One two. Three four", add_special_tokens=False)
+    dot = next(i for i, t in enumerate(tokens) if "." in tokenizer.decode([t]))
+    rng = np.random.default_rng(0)
+    masks = [sorted(rng.choice(49152, 5, replace=False).tolist() + [t]) if i % 2 == 0 else None
+             for i, t in enumerate(tokens)]
+    first = 1
+    chunks, output = run_deltas(tokenizer, SamplingParams(stop=["."]),
+                                [tokens[:first], tokens[first:]], [masks[:first], masks[first:]])
+    assert chunks[-1].finish_reason == "stop"
+    assert output.token_ids == tokens[:dot + 1]
+    assert output.sampling_mask == masks[:dot + 1]
+    assert output.sampling_masks.to_lists() == masks[:dot + 1]
+    assert len(output.sampling_logz) == dot + 1
+    streamed = [m for c in chunks for m in extra_fields(c, True)["sampling_mask"]]
+    assert streamed == masks[:dot + 1]
+
+
+def test_accumulated_output_equals_the_concatenated_lists(tokenizer):
+    rng = np.random.default_rng(1)
+    token_runs = [[int(t) for t in rng.integers(100, 30000, n)] for n in (1, 3, 0, 2, 1)]
+    mask_runs = [[sorted(rng.choice(49152, 3, replace=False).tolist()) if rng.random() < 0.7 else None
+                  for _ in run] for run in token_runs]
+    _, output = run_deltas(tokenizer, SamplingParams(), token_runs, mask_runs)
+    want = [m for run in mask_runs for m in run]
+    assert output.sampling_mask == want
+    assert output.sampling_mask is output.sampling_mask  # built once per read-out
+    assert extra_fields(output, False) == {"sampling_mask": want, "sampling_logz": output.sampling_logz}
+    assert len(output.sampling_logz) == len(want) == len(output.token_ids)
+
+
+def test_no_mask_requested_reads_none(tokenizer):
+    state = RequestOutputState(SamplingParams(), tokenizer, TokenTexts(tokenizer))
+    sequences = {1: Sequence(1, "r", [5], SamplingParams(), return_sampling_mask=False)}
+    output = CompletionOutput()
+    for _, delta in TokenProcessor([0], 512).process(frame_of([1], [[10, 11]], [[[1], [2]]]), sequences):
+        output.add(state.update(delta))
+    assert output.sampling_mask is None and output.sampling_masks is None
+    assert "sampling_mask" not in extra_fields(output, False)

@@ -1,0 +1,88 @@
+"""SamplingMasks (the CSR form of per-token kept sets) against plain-list references."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import msgspec
+import numpy as np
+import pytest
+
+from fastdeploy.engine.request import EngineOutputs, RequestDelta
+from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, split_runs
+
+MASKS = [[3, 10], None, [12], [0, 1, 2, 49151], None]
+
+
+def random_masks(rng: np.random.Generator, n: int) -> list[list[int] | None]:
+    out: list[list[int] | None] = []
+    for _ in range(n):
+        size = int(rng.integers(0, 50))
+        out.append(sorted(rng.choice(49152, size, replace=False).tolist()) if size else None)
+    return out
+
+
+def test_from_lists_round_trip_and_null_rows():
+    masks = SamplingMasks.from_lists(MASKS)
+    assert len(masks) == 5 and masks.num_ids == 7
+    assert masks.to_lists() == MASKS
+    assert masks.row_lengths().tolist() == [2, 0, 1, 4, 0]
+    assert masks.offsets_array().tolist() == [0, 2, 2, 3, 7, 7]
+    # little-endian int32 bytes, whatever the host order
+    assert masks.ids[:8] == (3).to_bytes(4, "little") + (10).to_bytes(4, "little")
+
+
+def test_empty_run():
+    empties = (SamplingMasks(), SamplingMasks.from_lists([]), concat_masks([]), SamplingMasks.from_lists(MASKS).head(0))
+    for empty in empties:
+        assert len(empty) == 0 and empty.num_ids == 0
+        assert empty.to_lists() == []
+        assert empty.offsets_array().tolist() == [0]
+
+
+def test_split_runs_rebases_consecutive_runs_of_frame_views():
+    offsets = np.array([0, 2, 2, 3, 7, 7], dtype="<i4")
+    ids = np.array([3, 10, 12, 0, 1, 2, 49151], dtype="<i4")
+    for counts in ([5], [0, 5], [2, 0, 3], [1, 1, 1, 1, 1], [0, 2, 2, 0, 1, 0], [3, 2, 0]):
+        runs = split_runs(offsets, ids, counts)
+        bounds = np.cumsum([0] + counts).tolist()
+        assert [r.to_lists() for r in runs] == [MASKS[a:b] for a, b in pairwise(bounds)]
+        assert all(r.offsets_array()[0] == 0 for r in runs)
+        assert concat_masks(runs) == SamplingMasks.from_lists(MASKS)
+    # offsets that do not start at 0 (a slice of a larger CSR)
+    tail = split_runs(offsets[2:] + 100, np.concatenate([np.zeros(102, "<i4"), ids[2:]]), [1, 2])
+    assert [r.to_lists() for r in tail] == [MASKS[2:3], MASKS[3:5]]
+    assert split_runs(offsets[:1], ids[:0], []) == []
+    assert [r.to_lists() for r in split_runs(offsets[:1], ids[:0], [0, 0])] == [[], []]
+
+
+def test_concat_matches_list_concatenation():
+    rng = np.random.default_rng(0)
+    runs = [random_masks(rng, int(n)) for n in (3, 0, 1, 7, 0, 2)]
+    got = concat_masks([SamplingMasks.from_lists(r) for r in runs])
+    assert got.to_lists() == [m for r in runs for m in r]
+    assert len(got) == sum(len(r) for r in runs)
+    single = SamplingMasks.from_lists(runs[0])
+    assert concat_masks([single]) == single
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 9])
+def test_head_matches_list_slice(n: int):
+    masks = SamplingMasks.from_lists(MASKS)
+    cut = masks.head(n)
+    assert cut.to_lists() == MASKS[:n]
+    assert len(cut) == len(MASKS[:n])
+    assert cut.num_ids == sum(len(m) for m in MASKS[:n] if m)
+
+
+def test_msgpack_round_trip_inside_a_delta():
+    rng = np.random.default_rng(1)
+    lists = random_masks(rng, 40)
+    delta = RequestDelta("r-0", list(range(40)), sampling_mask=SamplingMasks.from_lists(lists), logz=[-0.5] * 40)
+    raw = msgspec.msgpack.encode(EngineOutputs([delta, RequestDelta("r-1", [5])]))
+    back = msgspec.msgpack.decode(raw, type=EngineOutputs)
+    assert back.deltas[0].sampling_mask.to_lists() == lists
+    assert back.deltas[0].sampling_mask == delta.sampling_mask
+    assert back.deltas[1].sampling_mask is None
+    # the ids and offsets travel as binary blobs, byte for byte
+    assert delta.sampling_mask.ids in raw and delta.sampling_mask.offsets in raw
