@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -96,9 +97,12 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     The wait is bounded: a peer that died already cannot hold this process forever."""
     global _STATE
     if dist.is_initialized():
+        start = time.monotonic()
         done = threading.Thread(target=dist.destroy_process_group, daemon=True)
         done.start()
         done.join(timeout_s)
         if done.is_alive():
             logger.warning("tensor-parallel group teardown did not finish within %.0f s; leaving it", timeout_s)
+        else:
+            logger.info("rank %d left the tensor-parallel group in %.2f s", _STATE.rank, time.monotonic() - start)
     _STATE = TensorParallelState()
