@@ -26,7 +26,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.layers.sample.metadata import RowGroups, SamplerOutput, SamplingMetadata
-from fastdeploy.model_executor.layers.sample.sampler import Sampler
+from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.ops.step_packer import pack_step_slots_tensor, unpack_step_frame_op
@@ -203,12 +203,25 @@ class ModelRunner:
         states = [self.sequences[seq_id] for seq_id in seq_ids]
         metadata = self._sampling_metadata(_slot_states(states, slot_drafts) if drafts else states)
         metadata.token_bitmask = self._bitmask(seq_ids, slot_drafts, bool(drafts))
-        output = self.sampler(logits, metadata)
-        # The step's one synchronisation: the packer's copy of the frame to the host.
-        packed = pack_step_slots_tensor(_step_slots(step.message_id, seq_ids, slot_drafts, output))
-        frame = unpack_step_frame_op(packed)
+        rng_states = [g.get_state() if g is not None else None for g in metadata.generators]
+
+        def sample_and_pack(settle: bool) -> tuple[torch.Tensor, StepFrame, list[int]]:
+            output = self.sampler(logits, metadata, settle_kept_sets=settle)
+            # The step's one synchronisation: the packer's copy of the frame to the host.
+            packed = pack_step_slots_tensor(_step_slots(step.message_id, seq_ids, slot_drafts, output))
+            frame = unpack_step_frame_op(packed)
+            return packed, frame, frame.token_ids.tolist()
+
+        packed, frame, tokens = sample_and_pack(settle=False)
+        if UNSETTLED_TOKEN in tokens:
+            # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
+            # the step again with every set settled, from the same seeded generator states,
+            # so seeded requests still draw what they would have drawn in any batch.
+            for g, state in zip(metadata.generators, rng_states):
+                if g is not None:
+                    g.set_state(state)
+            packed, frame, tokens = sample_and_pack(settle=True)
         counts = frame.num_tokens.tolist()
-        tokens = frame.token_ids.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts)]
         result = packed.numpy().tobytes()

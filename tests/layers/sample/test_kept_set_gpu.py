@@ -23,7 +23,7 @@ from sampler_test_utils import csr_row, make_meta
 
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
-from fastdeploy.model_executor.layers.sample.sampler import Sampler, process_logits
+from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler, process_logits
 from fastdeploy.model_executor.layers.sample.truncation import KeptSet
 
 LOGZ_TOL = 1e-5
@@ -162,6 +162,94 @@ def interpreted_top_k_near_candidate_limit() -> None:
     _check_rows(x, t, k, p, mp, ks)
 
 
+def _plain_rows(seed: int, b: int, v: int):
+    """Truncating rows without exact ties (so every kept set is unambiguous)."""
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy((rng.standard_normal((b, v)) * 3).astype(np.float32))
+    t = torch.from_numpy(rng.uniform(0.5, 1.5, b).astype(np.float32))
+    k = torch.from_numpy(rng.choice([0, 50, 200], b)).long()
+    p = torch.from_numpy(rng.choice([0.8, 0.95, 1.0], b).astype(np.float32))
+    mp = torch.from_numpy(rng.choice([0.0, 0.0, 0.01], b).astype(np.float32))
+    p[(k == 0) & (mp == 0)] = 0.9
+    return x, t, k, p, mp
+
+
+def _starve_kernel() -> None:
+    """One narrowing pass and 16 candidates: most top-k / top-p rows stay unsettled."""
+    ksg.CANDIDATES, ksg.VALUE_PASSES, ksg.MAX_PASSES = 16, 1, 1
+
+
+def interpreted_unsettled_rows_are_marked_then_settled() -> None:
+    """A row the kernel leaves unsettled gets UNSETTLED_TOKEN rather than a draw from its
+    superset; asked to settle, the sampler draws every row exactly as the CPU path does
+    (same seeded noise, same kept sets)."""
+    _starve_kernel()
+    b, v = 12, 400
+    x, t, k, p, mp = _plain_rows(5, b, v)
+    flagged = ksg.kept_bounds(x, t, k, p, mp).failed.bool()
+    assert flagged.any() and (~flagged).any(), flagged
+
+    def draw(settle: bool) -> torch.Tensor:
+        gens = [torch.Generator().manual_seed(100 + r) for r in range(b)]
+        meta = make_meta(b, temperature=t.tolist(), top_k=k.tolist(), top_p=p.tolist(), min_p=mp.tolist(),
+                         generators=gens)
+        return Sampler()(x, meta, settle_kept_sets=settle).sampled_token_ids
+
+    ksg.uses_fast_path = lambda device: True
+    marked, settled = draw(False), draw(True)
+    ksg.uses_fast_path = lambda device: False
+    cpu = draw(False)
+    assert torch.equal(marked == UNSETTLED_TOKEN, flagged)
+    assert torch.equal(marked[~flagged], cpu[~flagged])
+    assert torch.equal(settled, cpu)
+    for r in range(b):
+        ref = reference_kept_set(x[r].numpy(), float(t[r]), int(k[r]), float(p[r]), float(mp[r]))
+        assert int(settled[r]) in set(ref.ids.tolist())
+
+
+def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
+    """Through the engine on a small model: with the kernel starved, steps holding an unsettled
+    row are sampled again with settled sets, and seeded requests get the tokens of the CPU path."""
+    from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+    from fastdeploy.engine.engine_core import EngineCore
+    from fastdeploy.engine.executor import InProcessExecutor
+    from fastdeploy.engine.request import EngineRequest
+    from fastdeploy.engine.sampling_params import SamplingParams
+
+    settled_calls = []
+    call = Sampler.__call__
+
+    def counting(self, logits, meta, settle_kept_sets=False):
+        settled_calls.append(settle_kept_sets)
+        return call(self, logits, meta, settle_kept_sets)
+
+    Sampler.__call__ = counting
+
+    def generate(fast: bool) -> list[list[int]]:
+        ksg.uses_fast_path = lambda device: fast
+        config = EngineConfig(model=model_dir, device="cpu", dtype="float32", guided_decoding_backend="off",
+                              cache=CacheConfig(block_size=4, num_blocks=128),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64))
+        core = EngineCore(config, InProcessExecutor(config))
+        mixes = [{"top_p": 0.9}, {"top_k": 50, "temperature": 0.8}, {"top_p": 0.95, "min_p": 0.01}, {"top_k": 200}]
+        for i, mix in enumerate(mixes):
+            params = SamplingParams(max_tokens=6, ignore_eos=True, seed=7 + i, **mix)
+            core.add_request(EngineRequest(f"r{i}", [3 + i, 17, 42, 5 * i + 1], params, 0.0))
+        out: dict[str, list[int]] = {}
+        try:
+            while core.has_work():
+                for delta in core.step():
+                    out.setdefault(delta.request_id, []).extend(delta.token_ids)
+        finally:
+            core.shutdown()
+        return [out[f"r{i}"] for i in range(len(mixes))]
+
+    _starve_kernel()
+    fast = generate(True)
+    assert True in settled_calls, "no step needed settling: the test does not reach the redraw"
+    assert fast == generate(False)
+
+
 def _in_interpreter(call: str) -> None:
     """Runs ``call`` from this module in a child process with Triton's interpreter on.
 
@@ -174,6 +262,24 @@ def _in_interpreter(call: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_unsettled_rows_are_marked_then_settled_interpreted():
+    _in_interpreter("interpreted_unsettled_rows_are_marked_then_settled()")
+
+
+def test_engine_redraws_unsettled_rows_interpreted(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=400,
+                                      max_position_embeddings=128, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.5 * torch.randn_like(p))  # logits spread widely enough to truncate
+    hf.save_pretrained(tmp_path)
+    _in_interpreter(f"interpreted_engine_redraws_unsettled_rows({str(tmp_path)!r})")
 
 
 def test_full_sort_matches_reference():

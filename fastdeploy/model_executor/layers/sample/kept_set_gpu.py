@@ -575,18 +575,20 @@ def kept_set(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    settle: bool = False,
 ) -> GpuKeptSet:
     """Kept sets of truncating, non-greedy rows as a dense bool mask + float64 logz (CUDA).
 
-    Two launches and one host sync (the sampler's draw reads the mask). proc: float32 [R, V]
-    processed logits (before temperature). temperature: [R] (> 0). top_k: int [R]
-    (0 = off). top_p: [R] (1 = off). min_p: [R] (0 = off).
+    Two launches. proc: float32 [R, V] processed logits (before temperature). temperature:
+    [R] (> 0). top_k: int [R] (0 = off). top_p: [R] (1 = off). min_p: [R] (0 = off).
+
+    A row the kernel could not settle (rare: none in the test grids) keeps a superset of its
+    kept set, marked in ``bounds.failed``. Without ``settle`` that is left to the caller, with
+    no host sync here; with ``settle`` such rows are redone by the full sort first, at the cost
+    of one host read.
     """
     b = kept_bounds(proc, temperature, top_k, top_p, min_p)
-    # A row the kernel could not settle holds a superset of its kept set, and a draw from it
-    # would be wrong; such rows (rare: none in most grids) are redone by the full sort. Reading
-    # the flag is this call's one host sync.
-    if bool(b.failed.any()):
+    if settle and bool(b.failed.any()):
         redo_flagged(proc, temperature, top_k, top_p, min_p, b)
     return GpuKeptSet(dense_mask(proc, b.value, b.last_id), b.count, b.logz, bounds=b,
                       params=(proc, temperature, top_k, top_p, min_p))

@@ -33,6 +33,10 @@ from fastdeploy.model_executor.layers.sample.truncation import (
 )
 
 NEG_INF = float("-inf")
+# Token id given to a row whose kept set the GPU kernel could not settle, so its draw (from a
+# superset) must not be used: the caller redoes the step's sampling with settled sets.
+# Distinct from -1, the padding of draft slots.
+UNSETTLED_TOKEN = -2
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -144,11 +148,14 @@ class Sampler:
     SamplingMetadata for those B rows. Returns SamplerOutput.
     """
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, settle_kept_sets: bool = False) -> SamplerOutput:
+        """On CUDA, a truncating row whose kept set the kernel could not settle gets the token
+        ``UNSETTLED_TOKEN`` (no host sync spent on finding out); ``settle_kept_sets=True``
+        settles every set before the draw instead (one host read). Elsewhere every set is exact."""
         with torch.no_grad():
-            return self._sample(logits, meta)
+            return self._sample(logits, meta, settle_kept_sets)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, settle: bool) -> SamplerOutput:
         device = logits.device
         b, v = logits.shape
         if b == 0:
@@ -173,7 +180,7 @@ class Sampler:
         if t_rows.numel() and fast:
             proc_t = take_rows(proc, t_rows)
             kept = kept_set_gpu.kept_set(
-                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows]
+                proc_t, temperature[t_rows], meta.top_k[t_rows], meta.top_p[t_rows], meta.min_p[t_rows], settle
             )
             x_t = apply_temperature(proc_t, temperature[t_rows])  # float32 [T, V]
             noise = gumbel_noise(t_rows, v, meta.generators, device, row_list=t_host)
@@ -230,10 +237,14 @@ class Sampler:
                 lp = torch.log_softmax(logits.float(), dim=1)
             out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = _gather_log_probs(lp, sampled, k)
 
+        # Read before the mask's CSR, which settles the flagged rows of its own copy in place.
+        unsettled = kept.bounds.failed != 0 if kept is not None and not settle else None
         if want_mask and fast:
             kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, g_rows, t_rows, kept)
         elif want_mask:
             _fill_sampling_mask(out, proc, requested, g_rows, t_rows, win)
+        if unsettled is not None:
+            out.sampled_token_ids[t_rows] = torch.where(unsettled, UNSETTLED_TOKEN, sampled[t_rows])
         return out
 
 
