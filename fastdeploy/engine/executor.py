@@ -13,6 +13,7 @@ import zmq
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
+from fastdeploy.output.step_frame import FrameBuffer
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
@@ -21,7 +22,7 @@ from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_wo
 class Executor(Protocol):
     info: WorkerInfo
 
-    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
+    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
         """Run one step; return its packed frame and its non-token events."""
 
     def shutdown(self) -> None: ...
@@ -37,7 +38,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, 0, tp_init_file(self._dir) if self._dir else None)
         self.info = self.runner.info
 
-    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
+    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
@@ -81,7 +82,7 @@ class WorkerProcessExecutor:
         except (PeerDiedError, TimeoutError) as exc:
             raise WorkerError(f"worker process lost: {exc}") from exc
 
-    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
+    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
         self.sock.send_multipart([STEP, self._encoder.encode(step)])
         kind, *payload = self._recv(self.step_timeout_s)
         if kind != FRAME:

@@ -26,6 +26,10 @@ import numpy as np
 
 from fastdeploy.output.sampling_masks import SamplingMasks, split_runs
 
+# A packed frame: bytes, or a view of the pinned host buffer the packer op wrote (the worker
+# hands that buffer on as it is rather than copying a step's output, masks included, once more).
+FrameBuffer = bytes | memoryview
+
 HAS_LOGPROBS = 1
 HAS_MASK = 2
 META_LEN = 8
@@ -100,7 +104,7 @@ class _Reader:
         return array
 
 
-def unpack_step_frame(buf: bytes) -> StepFrame:
+def unpack_step_frame(buf: FrameBuffer) -> StepFrame:
     reader = _Reader(buf)
     meta = reader.take("<i8", META_LEN)
     message_id, packed_flag, batch, num_tokens, num_mask_ids = (int(x) for x in meta[:5])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.step_frame import split_by_sequence, unpack_step_frame
+from fastdeploy.output.step_frame import FrameBuffer, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
 
@@ -24,7 +24,7 @@ class TokenProcessor:
             return "length", None
         return None, None
 
-    def process(self, frame_bytes: bytes, sequences: dict[int, Sequence],
+    def process(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
                 grammar_terminated: frozenset[int] = frozenset()) -> list[tuple[Sequence, RequestDelta]]:
         """Append accepted tokens to their sequences; return one delta per sequence in the frame.
 

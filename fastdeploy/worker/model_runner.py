@@ -30,7 +30,7 @@ from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sam
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.ops.step_packer import pack_step_slots_tensor, unpack_step_frame_op
-from fastdeploy.output.step_frame import StepFrame, pack_step_frame, shorten_step_frame
+from fastdeploy.output.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
 from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.mtp_pass import MTPPass
@@ -161,7 +161,7 @@ class ModelRunner:
             self.guided.on_prompt(new.seq_id, new.prompt_token_ids)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> tuple[bytes, WorkerEvents]:
+    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
         """Run one step; return its packed frame and its non-token events."""
         events = WorkerEvents()
         for seq_id in step.freed_seq_ids:
@@ -224,7 +224,7 @@ class ModelRunner:
         counts = frame.num_tokens.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts)]
-        result = packed.numpy().tobytes()
+        result: FrameBuffer = memoryview(packed.numpy())
         if self.guided is not None:
             # A grammar that completes inside a run ends it there; rare, so the packed frame is
             # shortened on the host rather than packed again on the device.
