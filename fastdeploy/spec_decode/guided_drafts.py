@@ -23,16 +23,22 @@ def trim_drafts_to_grammar(states: dict[int, GuidedState], drafts: dict[int, lis
         del draft[valid:]
 
 
-def fill_draft_bitmasks(states: list[GuidedState | None], drafts: list[list[int]], vocab_size: int) -> torch.Tensor | None:
+def fill_draft_bitmasks(states: list[GuidedState | None], drafts: list[list[int]], vocab_size: int,
+                        pinned: bool = False) -> torch.Tensor | None:
     """int32 [R, ceil(V/32)] with one row per verified slot (1 + len(draft) per sequence).
 
     Slot i of a sequence is masked by the grammar state after its first i drafts: the
     matcher accepts the drafts one by one while filling, then rolls them all back, so it
     ends where it started. Drafts must already be grammar-valid (trim_drafts_to_grammar).
+    pinned: fill page-locked memory, ready for a non-blocking copy to the GPU.
     """
     if all(s is None for s in states):
         return None
-    bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
+    rows = sum(len(d) + 1 for d in drafts)
+    if pinned:  # -1 = all 32 bits set: unconstrained rows allow every token
+        bitmask = torch.full(xgr.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32, pin_memory=True)
+    else:
+        bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
     row = 0
     for state, draft in zip(states, drafts):
         if state is None:

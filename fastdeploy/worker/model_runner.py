@@ -273,9 +273,7 @@ class ModelRunner:
             return None
         if drafted:
             bitmask = fill_draft_bitmasks([self.guided.states.get(s) for s in seq_ids], slot_drafts,
-                                          self.model_config.vocab_size)
-            if bitmask is not None and self.device.type == "cuda":
-                bitmask = bitmask.pin_memory()
+                                          self.model_config.vocab_size, pinned=self.device.type == "cuda")
         else:
             bitmask = self.guided.bitmask(seq_ids, pinned=self.device.type == "cuda")
         if bitmask is None or self.device.type != "cuda":
