@@ -110,6 +110,20 @@ def interpreted_case(rows: int, v: int, seed: int, candidates: int) -> None:
     _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
 
 
+def interpreted_prefilter_case(rows: int, v: int, seed: int, cap: int) -> None:
+    """The prefilter path at interpreter sizes: rows cut to their candidates (and flat rows
+    sent to their full row, past ``cap``) give the reference's kept sets."""
+    from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
+
+    ksg.CANDIDATES = 64
+    pf.CAP, pf.CHUNK, pf.BLOCK = cap, 512, 128
+    rng = np.random.default_rng(seed)
+    x, t, k, p, mp = _random_rows(rng, rows, v, flat_share=0.3)
+    cands = pf.prefilter(x, t, k, p, mp)
+    assert (~cands.full_row).any() and cands.full_row.any(), cands.full_row
+    _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
+
+
 def interpreted_edge_rows() -> None:
     """finfo.min used as a mask, coarse ties, -inf tails, all -inf, all equal, top_p near 1."""
     ksg.CANDIDATES = 16
@@ -291,6 +305,11 @@ def test_full_sort_matches_reference():
 @pytest.mark.parametrize(("rows", "v", "seed", "candidates"), [(48, 37, 1, 64), (40, 300, 2, 16), (12, 3000, 3, 64)])
 def test_kernel_matches_reference_interpreted(rows, v, seed, candidates):
     _in_interpreter(f"interpreted_case({rows}, {v}, {seed}, {candidates})")
+
+
+@pytest.mark.parametrize(("rows", "v", "seed", "cap"), [(24, 3000, 11, 256), (16, 5000, 12, 512)])
+def test_prefilter_matches_reference_interpreted(rows, v, seed, cap):
+    _in_interpreter(f"interpreted_prefilter_case({rows}, {v}, {seed}, {cap})")
 
 
 def test_kernel_edge_rows_interpreted():

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.model_executor.layers.sample import kept_set_prefilter as prefilter_module
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort
 from fastdeploy.model_executor.layers.sample.truncation import KeptSet, scaled_lse
 
@@ -68,6 +69,8 @@ BLOCK = 512  # logits per loop step of the row kernel
 NUM_WARPS = 8
 NUM_STAGES = 3  # software pipelining depth of the row loops (Triton's CUDA default)
 MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
+# Rows at most this many times the prefilter's candidate cap go straight to the row kernel.
+PREFILTER_MIN_SHRINK = 2
 
 
 def uses_fast_path(device: torch.device) -> bool:
@@ -131,7 +134,7 @@ if triton is not None:
         return tl.exp((x.to(tl.float64) - m64) * it)
 
     @triton.jit
-    def _narrow(xrow, V, a, b, n_a, n_b, bv, bid, m, it32, target, tail, only_a,
+    def _narrow(xrow, V, a, b, n_a, n_b, bv, bid, m, it32, target, tail, only_a, outside,
                 C: tl.constexpr, MASS: tl.constexpr, DELTA: tl.constexpr, VALUE_PASSES: tl.constexpr,
                 MAX_PASSES: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
         """Narrows (a, b] (n_a, n_b: prefix entries above a, b) around the boundary.
@@ -139,7 +142,9 @@ if triton is not None:
         Count (MASS=False): keeps #{x > b} < target <= #{x > a}. Mass: keeps S(b) < target
         <= S(a) for S(t) the prefix mass above t, or with tail, T(b) > target >= T(a) for
         T(t) the prefix mass at or below t. only_a: b stays. Stops when at most C entries
-        lie inside, the interval holds one value (single), or after MAX_PASSES.
+        lie inside, the interval holds one value (single), or after MAX_PASSES. outside: the
+        mass of logits not in this row (left out by the prefilter, all below the interval),
+        part of every tail sum.
         """
         jj = tl.arange(0, P)
         offs = tl.arange(0, BLOCK)
@@ -173,7 +178,7 @@ if triton is not None:
                 mx = tl.maximum(mx, tl.where(inside, x, float("-inf")))
             c = tl.sum(cnt, axis=0)
             if MASS:
-                s = tl.sum(acc, axis=0).to(tl.float64)
+                s = tl.sum(acc, axis=0).to(tl.float64) + tl.where(tail, outside, 0.0)
                 hi_ok = tl.where(tail, s > target * (1.0 + DELTA), s < target * (1.0 - DELTA))
                 lo_ok = tl.where(tail, s <= target * (1.0 - DELTA), s >= target * (1.0 + DELTA))
             else:
@@ -258,11 +263,33 @@ if triton is not None:
     @triton.jit
     def _kept_set_kernel(
         x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr,
-        C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
+        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, skip_ptr, n_ptr, oz_ptr, of_ptr, ids_ptr, V_IDS,
+        COMPACT: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
         VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
     ):
+        """One row per program; rows with skip != 0 are another launch's. COMPACT: the rows are
+        a prefilter's candidates (n per row, ids mapping positions to vocabulary ids, and the
+        mass and finite count of the logits left out)."""
         row = tl.program_id(0).to(tl.int64)
+        if tl.load(skip_ptr + row) == 0:
+            if COMPACT:
+                _kept_set_row(row, x_ptr, stride, tl.load(n_ptr + row), t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
+                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.load(oz_ptr + row),
+                              tl.load(of_ptr + row), ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN, VALUE_PASSES,
+                              MAX_PASSES, BLOCK)
+            else:
+                _kept_set_row(row, x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
+                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.zeros((), dtype=tl.float64),
+                              tl.zeros((), dtype=tl.int32), ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN,
+                              VALUE_PASSES, MAX_PASSES, BLOCK)
+
+    @triton.jit
+    def _kept_set_row(
+        row, x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
+        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, outside_z, outside_fin, ids_ptr, V_IDS,
+        COMPACT: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
+        VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
+    ):
         xrow = x_ptr + row * stride
         cand_row = cand_ptr + row * C
         offs = tl.arange(0, BLOCK)
@@ -294,8 +321,10 @@ if triton is not None:
         m64 = m.to(tl.float64)
         mz = tl.where(nfin > 0, m, 0.0)
         z = tl.sum(tl.where(lm > float("-inf"), lz * _exp64(lm, mz.to(tl.float64), it), 0.0), axis=0)
+        z += outside_z  # relative to the same max: the row's max is always a candidate
+        nfin_row = nfin + outside_fin
 
-        k_on = (k > 0) & (k < nfin)
+        k_on = (k > 0) & (k < nfin_row)
         p_on = tp < 1.0
         m_on = mp > 0.0
         # the prefix so far: every finite logit
@@ -315,13 +344,13 @@ if triton is not None:
         if k_on:
             lower = _prev(fmin)
             a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, nfin, zero, bv, bid, m, it32, k, False,
-                                             (k <= C // 2).to(tl.int32), C, False, DELTA, VALUE_PASSES, MAX_PASSES,
-                                             P, BLOCK)
+                                             (k <= C // 2).to(tl.int32), outside_z, C, False, DELTA, VALUE_PASSES,
+                                             MAX_PASSES, P, BLOCK)
             if (n_a - n_b > C) & (single == 0):
                 # A tie run straddles the k-th entry, so no cut of the top holds between k and C
                 # entries: narrow both ends onto the run instead.
-                a, b, n_a, n_b, single = _narrow(xrow, V, a, b, n_a, n_b, bv, bid, m, it32, k, False, zero, C,
-                                                 False, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
+                a, b, n_a, n_b, single = _narrow(xrow, V, a, b, n_a, n_b, bv, bid, m, it32, k, False, zero,
+                                                 outside_z, C, False, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
             if n_a - n_b <= C:
                 mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
                 vals, ids, e, cum = _sorted_list(cand_row, n_a - n_b, V, m64, it, C)
@@ -363,7 +392,7 @@ if triton is not None:
                 tail = tp >= 0.5
                 target = tl.where(tail, (1.0 - tp) * zk, tgt)
                 a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, n_pre, zero, bv, bid, m, it32, target, tail,
-                                                 zero, C, True, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
+                                                 zero, outside_z, C, True, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
                 if n_a - n_b <= C:
                     mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
                     vals, ids, e, cum = _sorted_list(cand_row, n_a - n_b, V, m64, it, C)
@@ -424,7 +453,11 @@ if triton is not None:
                 mass_pre = tl.sum(kept, axis=0)
 
         logz = tl.log(mass_pre) - tl.log(z)
-        empty = nfin == 0
+        empty = nfin_row == 0
+        if COMPACT:  # positions in the candidate row -> vocabulary ids (V: past every id)
+            inside = (bid >= 0) & (bid < V)
+            mapped = tl.load(ids_ptr + row * stride + bid, mask=inside, other=0)
+            bid = tl.where(inside, mapped, tl.where(bid >= V, V_IDS, bid))
         tl.store(bv_ptr + row, tl.where(empty, float("inf"), bv))
         tl.store(bid_ptr + row, tl.where(empty, -1, bid))
         tl.store(cnt_ptr + row, tl.where(empty, 0, n_pre))
@@ -487,13 +520,24 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     )
     if r == 0:
         return out
+    params = (temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous())
     cand = torch.empty(r, CANDIDATES, dtype=torch.int64, device=dev)
-    _kept_set_kernel[(r,)](
-        x, x.stride(0), v, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
-        cand, out.value, out.last_id, out.count, out.logz, out.failed,
-        C=CANDIDATES, P=PIVOTS, DELTA=MASS_DELTA, SPAN=SPAN, VALUE_PASSES=VALUE_PASSES, MAX_PASSES=MAX_PASSES,
-        BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+    results = (cand, out.value, out.last_id, out.count, out.logz, out.failed)
+    settings = {"C": CANDIDATES, "P": PIVOTS, "DELTA": MASS_DELTA, "SPAN": SPAN, "VALUE_PASSES": VALUE_PASSES,
+                "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK:
+        run_all = torch.zeros(r, dtype=torch.int32, device=dev)
+        _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, run_all, v,
+                               COMPACT=False, **settings)
+        return out
+    # Rows cut to their candidates first (many programs per row); each row is then searched
+    # over its candidates, or over its full row where they did not fit.
+    pf = prefilter_module.prefilter(x, *params)
+    full = pf.full_row.to(torch.int32)
+    _kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.extra_z,
+                           pf.extra_finite, pf.ids, v, COMPACT=True, **settings)
+    _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.extra_z,
+                           pf.extra_finite, pf.ids, v, COMPACT=False, **settings)
     return out
 
 
