@@ -391,8 +391,10 @@ if triton is not None:
                 lower = tl.where(k_on, _prev(bv), tl.maximum(_prev(fmin), m - SPAN / it32))
                 tail = tp >= 0.5
                 target = tl.where(tail, (1.0 - tp) * zk, tgt)
+                # Logits left out by the prefilter lie outside a top-k prefix: no part of its tail.
+                outside = tl.where(k_on, 0.0, outside_z)
                 a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, n_pre, zero, bv, bid, m, it32, target, tail,
-                                                 zero, outside_z, C, True, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
+                                                 zero, outside, C, True, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
                 if n_a - n_b <= C:
                     mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
                     vals, ids, e, cum = _sorted_list(cand_row, n_a - n_b, V, m64, it, C)
