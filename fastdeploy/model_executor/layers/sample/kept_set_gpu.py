@@ -527,7 +527,7 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     results = (cand, out.value, out.last_id, out.count, out.logz, out.failed)
     settings = {"C": CANDIDATES, "P": PIVOTS, "DELTA": MASS_DELTA, "SPAN": SPAN, "VALUE_PASSES": VALUE_PASSES,
                 "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
-    if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK:
+    if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK or r < prefilter_module.MIN_ROWS:
         run_all = torch.zeros(r, dtype=torch.int32, device=dev)
         _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, run_all, v,
                                COMPACT=False, **settings)
@@ -535,7 +535,7 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     # Rows cut to their candidates first (many programs per row); each row is then searched
     # over its candidates, or over its full row where they did not fit.
     pf = prefilter_module.prefilter(x, *params)
-    full = pf.full_row.to(torch.int32)
+    full = pf.full_row
     _kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.extra_z,
                            pf.extra_finite, pf.ids, v, COMPACT=True, **settings)
     _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.extra_z,
