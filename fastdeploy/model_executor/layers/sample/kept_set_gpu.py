@@ -263,7 +263,7 @@ if triton is not None:
     @triton.jit
     def _kept_set_kernel(
         x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, skip_ptr, n_ptr, oz_ptr, of_ptr, ids_ptr, V_IDS,
+        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, skip_ptr, n_ptr, oz_ptr, of_ptr, S, ids_ptr, V_IDS,
         COMPACT: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
         VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
     ):
@@ -273,10 +273,14 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         if tl.load(skip_ptr + row) == 0:
             if COMPACT:
+                outside_z = tl.zeros((), dtype=tl.float64)
+                outside_fin = tl.zeros((), dtype=tl.int32)
+                for c in range(S):  # the prefilter's per-chunk sums, in chunk order
+                    outside_z += tl.load(oz_ptr + row * S + c)
+                    outside_fin += tl.load(of_ptr + row * S + c)
                 _kept_set_row(row, x_ptr, stride, tl.load(n_ptr + row), t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.load(oz_ptr + row),
-                              tl.load(of_ptr + row), ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN, VALUE_PASSES,
-                              MAX_PASSES, BLOCK)
+                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, outside_z, outside_fin, ids_ptr, V_IDS,
+                              COMPACT, C, P, DELTA, SPAN, VALUE_PASSES, MAX_PASSES, BLOCK)
             else:
                 _kept_set_row(row, x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
                               bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.zeros((), dtype=tl.float64),
@@ -529,17 +533,18 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
                 "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
     if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK or r < prefilter_module.MIN_ROWS:
         run_all = torch.zeros(r, dtype=torch.int32, device=dev)
-        _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, run_all, v,
-                               COMPACT=False, **settings)
+        _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, 1, run_all,
+                               v, COMPACT=False, **settings)
         return out
     # Rows cut to their candidates first (many programs per row); each row is then searched
     # over its candidates, or over its full row where they did not fit.
     pf = prefilter_module.prefilter(x, *params)
     full = pf.full_row
+    s = pf.extra_z.shape[1]
     _kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.extra_z,
-                           pf.extra_finite, pf.ids, v, COMPACT=True, **settings)
+                           pf.extra_finite, s, pf.ids, v, COMPACT=True, **settings)
     _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.extra_z,
-                           pf.extra_finite, pf.ids, v, COMPACT=False, **settings)
+                           pf.extra_finite, s, pf.ids, v, COMPACT=False, **settings)
     return out
 
 

@@ -48,8 +48,8 @@ class Candidates:
     """Rows cut to their candidates, in id order.
 
     x: float32 [R, CAP] logits, ids: int32 [R, CAP] their vocabulary ids, count: int32 [R].
-    extra_z: float64 [R], sum of exp((x - M) / T) over the finite logits left out.
-    extra_finite: int32 [R], how many finite logits were left out.
+    extra_z: float64 [R, S], per chunk, sum of exp((x - M) / T) over the finite logits left out.
+    extra_finite: int32 [R, S], per chunk, how many finite logits were left out.
     full_row: int32 [R], 1 for rows too wide for CAP (their candidates are not written).
     """
 
@@ -115,7 +115,7 @@ if triton is not None:
         tl.atomic_add(bins + NB, tl.sum(far, axis=0), sem="relaxed")
 
     @triton.jit
-    def _choose_kernel(cnt_ptr, mass_ptr, k_ptr, p_ptr, mp_ptr, last_ptr, count_ptr, full_ptr, oz_ptr, of_ptr, S,
+    def _choose_kernel(cnt_ptr, mass_ptr, k_ptr, p_ptr, mp_ptr, last_ptr, count_ptr, full_ptr, S,
                        CAP, SLACK: tl.constexpr, NB: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr):
         """Per row: the last bucket the row kernel needs, the candidates' count, whether they fit."""
         row = tl.program_id(0).to(tl.int64)
@@ -145,8 +145,6 @@ if triton is not None:
         tl.store(last_ptr + row, last)
         tl.store(count_ptr + row, count)
         tl.store(full_ptr + row, (count > CAP).to(tl.int32))
-        tl.store(oz_ptr + row, tl.zeros((), dtype=tl.float64))
-        tl.store(of_ptr + row, tl.zeros((), dtype=tl.int32))
 
     @triton.jit
     def _chunk_count_kernel(x_ptr, stride, V, pmax_ptr, t_ptr, last_ptr, full_ptr, ccnt_ptr, S, NB: tl.constexpr,
@@ -169,10 +167,13 @@ if triton is not None:
     def _compact_candidates_kernel(x_ptr, stride, V, pmax_ptr, t_ptr, last_ptr, full_ptr, ccnt_ptr, cx_ptr, cid_ptr,
                                    oz_ptr, of_ptr, S, CAP, NB: tl.constexpr, WIDTH: tl.constexpr,
                                    CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """Writes the chunk's candidates after those of the chunks before it (id order), and adds
-        the mass and count of the finite logits it leaves out to the row's totals."""
+        """Writes the chunk's candidates after those of the chunks before it (id order), and the
+        mass and count of the finite logits it leaves out (per chunk: summed in a fixed order
+        later, so the result does not depend on scheduling)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
+        ez = tl.zeros((), dtype=tl.float64)
+        ef = tl.zeros((), dtype=tl.int32)
         if tl.load(full_ptr + row) == 0:
             offs = tl.arange(0, BLOCK)
             m = _row_max(pmax_ptr, row, S)
@@ -197,8 +198,10 @@ if triton is not None:
                 out = (j > last) & (j <= NB)
                 zs += tl.where(out, tl.exp((x.to(tl.float64) - m.to(tl.float64)) * it64), 0.0)
                 fs += out.to(tl.int32)
-            tl.atomic_add(oz_ptr + row, tl.sum(zs, axis=0), sem="relaxed")
-            tl.atomic_add(of_ptr + row, tl.sum(fs, axis=0), sem="relaxed")
+            ez = tl.sum(zs, axis=0)
+            ef = tl.sum(fs, axis=0)
+        tl.store(oz_ptr + row * S + c, ez)
+        tl.store(of_ptr + row * S + c, ef)
 
 
 def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -219,15 +222,15 @@ def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     last = torch.empty(r, dtype=torch.int32, device=dev)
     count = torch.empty(r, dtype=torch.int32, device=dev)
     full = torch.empty(r, dtype=torch.int32, device=dev)
-    extra_z = torch.empty(r, dtype=torch.float64, device=dev)
-    extra_finite = torch.empty(r, dtype=torch.int32, device=dev)
-    _choose_kernel[(r,)](cnt, mass, top_k, top_p, min_p, last, count, full, extra_z, extra_finite, s, CAP,
+    _choose_kernel[(r,)](cnt, mass, top_k, top_p, min_p, last, count, full, s, CAP,
                          SLACK=MASS_SLACK, NB=nb, BINS=BINS, WIDTH=WIDTH, num_warps=4)
     chunk_count = torch.empty(r, s, dtype=torch.int32, device=dev)
     _chunk_count_kernel[grid](x, x.stride(0), v, pmax, t, last, full, chunk_count, s, NB=nb, WIDTH=WIDTH,
                               CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
     cx = torch.empty(r, CAP, dtype=torch.float32, device=dev)
     cid = torch.empty(r, CAP, dtype=torch.int32, device=dev)
+    extra_z = torch.empty(r, s, dtype=torch.float64, device=dev)
+    extra_finite = torch.empty(r, s, dtype=torch.int32, device=dev)
     _compact_candidates_kernel[grid](x, x.stride(0), v, pmax, t, last, full, chunk_count, cx, cid, extra_z,
                                      extra_finite, s, CAP, NB=nb, WIDTH=WIDTH, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
     return Candidates(cx, cid, count, extra_z, extra_finite, full)
