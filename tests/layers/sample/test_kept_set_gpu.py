@@ -110,6 +110,31 @@ def interpreted_case(rows: int, v: int, seed: int, candidates: int) -> None:
     _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
 
 
+def interpreted_span_cut_rows_with_poisoned_scratch() -> None:
+    """Rows with at most CANDIDATES finite logits, some more than SPAN * T below the max, under
+    top-p alone: the search starts above those, so it must count what lies above its start
+    before gathering, not take every finite logit for it. Scratch memory is filled with large
+    keys first, so a slot the gather did not write shows up in the result."""
+    big_key = (0x7F000000 << 32) | 5  # _fkey of a huge logit
+    empty = torch.empty
+
+    def poisoned(*size, **kw):
+        t = empty(*size, **kw)
+        if t.dtype == torch.int64:
+            t.fill_(big_key)
+        return t
+
+    ksg.torch.empty = poisoned
+    rng = np.random.default_rng(7)
+    x = torch.from_numpy((rng.standard_normal((6, 500)) * 8).astype(np.float32))
+    x[3:, 300:] = -math.inf
+    t = torch.tensor([0.3, 0.5, 1.0, 0.3, 0.2, 0.7])
+    k = torch.zeros(6, dtype=torch.int64)
+    p = torch.tensor([0.9, 0.99, 0.5, 0.95, 0.9999999, 0.8])
+    mp = torch.zeros(6)
+    _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
+
+
 def interpreted_edge_rows() -> None:
     """finfo.min used as a mask, coarse ties, -inf tails, all -inf, all equal, top_p near 1."""
     ksg.CANDIDATES = 16
@@ -291,6 +316,10 @@ def test_full_sort_matches_reference():
 @pytest.mark.parametrize(("rows", "v", "seed", "candidates"), [(48, 37, 1, 64), (40, 300, 2, 16), (12, 3000, 3, 64)])
 def test_kernel_matches_reference_interpreted(rows, v, seed, candidates):
     _in_interpreter(f"interpreted_case({rows}, {v}, {seed}, {candidates})")
+
+
+def test_kernel_span_cut_rows_interpreted():
+    _in_interpreter("interpreted_span_cut_rows_with_poisoned_scratch()")
 
 
 def test_kernel_edge_rows_interpreted():
