@@ -122,6 +122,30 @@ def interpreted_prefilter_case(rows: int, v: int, seed: int, cap: int) -> None:
     pf.MIN_ROWS = 1
     full = pf.prefilter(x, t, k, p, mp).full_row
     assert (full == 0).any() and (full == 1).any(), full
+
+
+def interpreted_span_cut_rows_with_poisoned_scratch() -> None:
+    """Rows with at most CANDIDATES finite logits, some more than SPAN * T below the max, under
+    top-p alone: the search starts above those, so it must count what lies above its start
+    before gathering, not take every finite logit for it. Scratch memory is filled with large
+    keys first, so a slot the gather did not write shows up in the result."""
+    big_key = (0x7F000000 << 32) | 5  # _fkey of a huge logit
+    empty = torch.empty
+
+    def poisoned(*size, **kw):
+        t = empty(*size, **kw)
+        if t.dtype == torch.int64:
+            t.fill_(big_key)
+        return t
+
+    ksg.torch.empty = poisoned
+    rng = np.random.default_rng(7)
+    x = torch.from_numpy((rng.standard_normal((6, 500)) * 8).astype(np.float32))
+    x[3:, 300:] = -math.inf
+    t = torch.tensor([0.3, 0.5, 1.0, 0.3, 0.2, 0.7])
+    k = torch.zeros(6, dtype=torch.int64)
+    p = torch.tensor([0.9, 0.99, 0.5, 0.95, 0.9999999, 0.8])
+    mp = torch.zeros(6)
     _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
 
 
@@ -311,6 +335,10 @@ def test_kernel_matches_reference_interpreted(rows, v, seed, candidates):
 @pytest.mark.parametrize(("rows", "v", "seed", "cap"), [(24, 3000, 11, 256), (16, 5000, 12, 512)])
 def test_prefilter_matches_reference_interpreted(rows, v, seed, cap):
     _in_interpreter(f"interpreted_prefilter_case({rows}, {v}, {seed}, {cap})")
+
+
+def test_kernel_span_cut_rows_interpreted():
+    _in_interpreter("interpreted_span_cut_rows_with_poisoned_scratch()")
 
 
 def test_kernel_edge_rows_interpreted():

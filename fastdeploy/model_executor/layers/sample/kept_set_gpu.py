@@ -393,11 +393,15 @@ if triton is not None:
                 list_len = c
             else:
                 lower = tl.where(k_on, _prev(bv), tl.maximum(_prev(fmin), m - SPAN / it32))
+                # Where SPAN cuts the start above the smallest logit, n_pre (every finite logit)
+                # overcounts what lies above it; a count no interval may hold makes the first pass
+                # measure it, so nothing is gathered on the overcount.
+                n_start = tl.where(k_on, n_pre, tl.where(m - SPAN / it32 >= fmin, n_pre + C + 1, n_pre))
                 tail = tp >= 0.5
                 target = tl.where(tail, (1.0 - tp) * zk, tgt)
                 # Logits left out by the prefilter lie outside a top-k prefix: no part of its tail.
                 outside = tl.where(k_on, 0.0, outside_z)
-                a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, n_pre, zero, bv, bid, m, it32, target, tail,
+                a, b, n_a, n_b, single = _narrow(xrow, V, lower, m, n_start, zero, bv, bid, m, it32, target, tail,
                                                  zero, outside, C, True, DELTA, VALUE_PASSES, MAX_PASSES, P, BLOCK)
                 if n_a - n_b <= C:
                     mass_gt = _gather(xrow, V, a, b, bv, bid, m64, it, cand_row, True, BLOCK)
