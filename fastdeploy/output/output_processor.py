@@ -70,7 +70,9 @@ class CompletionOutput:
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.sampling_masks is not None:
-            self._mask_runs = (self._mask_runs or []) + [chunk.sampling_masks]
+            if self._mask_runs is None:
+                self._mask_runs = []
+            self._mask_runs.append(chunk.sampling_masks)
             self._mask_lists = None
             self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
         if chunk.finish_reason is not None:

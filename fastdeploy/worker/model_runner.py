@@ -25,6 +25,7 @@ from fastdeploy.distributed.shard import local_config
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
+from fastdeploy.model_executor.layers.sample import kept_set_gpu
 from fastdeploy.model_executor.layers.sample.metadata import RowGroups, SamplerOutput, SamplingMetadata
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model
@@ -203,7 +204,10 @@ class ModelRunner:
         states = [self.sequences[seq_id] for seq_id in seq_ids]
         metadata = self._sampling_metadata(_slot_states(states, slot_drafts) if drafts else states)
         metadata.token_bitmask = self._bitmask(seq_ids, slot_drafts, bool(drafts))
-        rng_states = [g.get_state() if g is not None else None for g in metadata.generators]
+        # Only the CUDA kept-set kernel can leave a truncating row unsettled; only then may the
+        # step be sampled again, and only then are the seeded generators' states worth keeping.
+        may_redraw = kept_set_gpu.uses_fast_path(self.device) and bool(metadata.row_groups.host[1])
+        rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
 
         def sample_and_pack(settle: bool) -> tuple[torch.Tensor, StepFrame, list[int]]:
             output = self.sampler(logits, metadata, settle_kept_sets=settle)
@@ -213,7 +217,7 @@ class ModelRunner:
             return packed, frame, frame.token_ids.tolist()
 
         packed, frame, tokens = sample_and_pack(settle=False)
-        if UNSETTLED_TOKEN in tokens:
+        if may_redraw and UNSETTLED_TOKEN in tokens:
             # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
             # the step again with every set settled, from the same seeded generator states,
             # so seeded requests still draw what they would have drawn in any batch.
