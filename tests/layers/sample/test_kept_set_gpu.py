@@ -111,17 +111,37 @@ def interpreted_case(rows: int, v: int, seed: int, candidates: int) -> None:
 
 
 def interpreted_prefilter_case(rows: int, v: int, seed: int, cap: int) -> None:
-    """The prefilter path at interpreter sizes: rows cut to their candidates (and flat rows
-    sent to their full row, past ``cap``) give the reference's kept sets."""
+    """The prefilter path at interpreter sizes: each cut row's candidates are exactly the logits
+    above a value and hold the reference's kept set; flat rows go to their full row past
+    ``cap``; the whole path (row kernel and CSR) gives the reference's kept sets."""
     from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
 
     ksg.CANDIDATES = 64
-    pf.CAP, pf.CHUNK, pf.BLOCK = cap, 512, 128
+    pf.CAP, pf.CHUNK, pf.BLOCK, pf.GATHER_BLOCK, pf.MIN_ROWS = cap, 512, 128, 128, 1
     rng = np.random.default_rng(seed)
     x, t, k, p, mp = _random_rows(rng, rows, v, flat_share=0.3)
-    pf.MIN_ROWS = 1
-    full = pf.prefilter(x, t, k, p, mp).full_row
+    cand = pf.prefilter(x, t, k, p, mp)
+    full = cand.full_row
     assert (full == 0).any() and (full == 1).any(), full
+    for r in range(rows):
+        xr = x[r].double()
+        finite = xr > -math.inf
+        assert int(cand.row_finite[r]) == int(finite.sum())
+        if not finite.any():
+            continue
+        m = xr.max()
+        z = torch.exp((xr[finite] - m) / float(t[r])).sum()
+        assert abs(float(cand.row_z[r]) / float(z) - 1) < 1e-12
+        if int(full[r]):
+            continue
+        n = int(cand.count[r])
+        ids = cand.ids[r, :n].long()
+        assert torch.equal(ids, torch.sort(ids).values) and torch.equal(cand.x[r, :n], x[r, ids])
+        lowest = cand.x[r, :n].min()
+        assert torch.equal(ids, (x[r] >= lowest).nonzero().squeeze(1)), f"row {r}: not the logits above a value"
+        ref = reference_kept_set(x[r].numpy(), float(t[r]), int(k[r]), float(p[r]), float(mp[r]))
+        assert set(ref.ids.tolist()) <= set(ids.tolist()), f"row {r}: a kept id is not a candidate"
+    _check_rows(x, t, k, p, mp, _kernel_kept_set(x, t, k, p, mp))
 
 
 def interpreted_span_cut_rows_with_poisoned_scratch() -> None:

@@ -85,6 +85,7 @@ class KeptBounds:
     value: float32 [R] and last_id: int32 [R], the last kept entry (value +inf: none).
     count: int32 [R] kept ids. logz: float64 [R], log of their softmax mass.
     failed: int32 [R], 1 where the row could not be settled (value/last_id keep a superset).
+    candidates: the prefilter's rows where it ran (the CSR compaction reads those instead).
     """
 
     value: torch.Tensor
@@ -92,6 +93,7 @@ class KeptBounds:
     count: torch.Tensor
     logz: torch.Tensor
     failed: torch.Tensor
+    candidates: prefilter_module.Candidates | None = None
 
 
 @dataclass
@@ -263,24 +265,20 @@ if triton is not None:
     @triton.jit
     def _kept_set_kernel(
         x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, skip_ptr, n_ptr, oz_ptr, of_ptr, S, ids_ptr, V_IDS,
+        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, skip_ptr, n_ptr, rz_ptr, rf_ptr, ids_ptr, V_IDS,
         COMPACT: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
         VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """One row per program; rows with skip != 0 are another launch's. COMPACT: the rows are
         a prefilter's candidates (n per row, ids mapping positions to vocabulary ids, and the
-        mass and finite count of the logits left out)."""
+        whole row's normaliser and finite count)."""
         row = tl.program_id(0).to(tl.int64)
         if tl.load(skip_ptr + row) == 0:
             if COMPACT:
-                outside_z = tl.zeros((), dtype=tl.float64)
-                outside_fin = tl.zeros((), dtype=tl.int32)
-                for c in range(S):  # the prefilter's per-chunk sums, in chunk order
-                    outside_z += tl.load(oz_ptr + row * S + c)
-                    outside_fin += tl.load(of_ptr + row * S + c)
                 _kept_set_row(row, x_ptr, stride, tl.load(n_ptr + row), t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, outside_z, outside_fin, ids_ptr, V_IDS,
-                              COMPACT, C, P, DELTA, SPAN, VALUE_PASSES, MAX_PASSES, BLOCK)
+                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.load(rz_ptr + row),
+                              tl.load(rf_ptr + row), ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN, VALUE_PASSES,
+                              MAX_PASSES, BLOCK)
             else:
                 _kept_set_row(row, x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
                               bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.zeros((), dtype=tl.float64),
@@ -290,7 +288,7 @@ if triton is not None:
     @triton.jit
     def _kept_set_row(
         row, x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, outside_z, outside_fin, ids_ptr, V_IDS,
+        bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, row_z, row_fin, ids_ptr, V_IDS,
         COMPACT: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DELTA: tl.constexpr, SPAN: tl.constexpr,
         VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
     ):
@@ -325,8 +323,13 @@ if triton is not None:
         m64 = m.to(tl.float64)
         mz = tl.where(nfin > 0, m, 0.0)
         z = tl.sum(tl.where(lm > float("-inf"), lz * _exp64(lm, mz.to(tl.float64), it), 0.0), axis=0)
-        z += outside_z  # relative to the same max: the row's max is always a candidate
-        nfin_row = nfin + outside_fin
+        if COMPACT:  # row_z is relative to the same max: the row's max is always a candidate
+            outside_z = tl.maximum(row_z - z, 0.0)
+            z = row_z
+            nfin_row = row_fin
+        else:
+            outside_z = tl.zeros((), dtype=tl.float64)
+            nfin_row = nfin
 
         k_on = (k > 0) & (k < nfin_row)
         p_on = tp < 1.0
@@ -489,22 +492,45 @@ if triton is not None:
         tl.store(mask_ptr + row * V + o, keep.to(tl.int8), mask=o < V)
 
     @triton.jit
-    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, BLOCK: tl.constexpr):
-        """Writes the kept ids of each row, ascending, at ids[offsets[row]:]."""
+    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, skip_ptr, BLOCK: tl.constexpr):
+        """Writes the kept ids of each row (skip == 0), ascending, at ids[offsets[row]:]."""
         row = tl.program_id(0).to(tl.int64)
-        xrow = x_ptr + row * stride
-        bv = tl.load(bv_ptr + row)
-        bid = tl.load(bid_ptr + row)
-        base = tl.load(off_ptr + row).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        for i in range(0, V, BLOCK):
-            o = i + offs
-            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
-            keep = _keep(x, o, bv, bid) & (o < V)
-            ki = keep.to(tl.int32)
-            pos = base + tl.cumsum(ki, axis=0) - 1
-            tl.store(ids_ptr + pos, o, mask=keep)
-            base += tl.sum(ki, axis=0)
+        if tl.load(skip_ptr + row) == 0:
+            xrow = x_ptr + row * stride
+            bv = tl.load(bv_ptr + row)
+            bid = tl.load(bid_ptr + row)
+            base = tl.load(off_ptr + row).to(tl.int64)
+            offs = tl.arange(0, BLOCK)
+            for i in range(0, V, BLOCK):
+                o = i + offs
+                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+                keep = _keep(x, o, bv, bid) & (o < V)
+                ki = keep.to(tl.int32)
+                pos = base + tl.cumsum(ki, axis=0) - 1
+                tl.store(ids_ptr + pos, o, mask=keep)
+                base += tl.sum(ki, axis=0)
+
+    @triton.jit
+    def _compact_candidates_kernel(cx_ptr, cid_ptr, CAP, n_ptr, bv_ptr, bid_ptr, off_ptr, ids_ptr, full_ptr,
+                                   BLOCK: tl.constexpr):
+        """`_compact_kernel` over a prefilter's candidates (in id order) of rows not searched
+        on their full row."""
+        row = tl.program_id(0).to(tl.int64)
+        if tl.load(full_ptr + row) == 0:
+            n = tl.load(n_ptr + row)
+            bv = tl.load(bv_ptr + row)
+            bid = tl.load(bid_ptr + row)
+            base = tl.load(off_ptr + row).to(tl.int64)
+            offs = tl.arange(0, BLOCK)
+            for i in range(0, n, BLOCK):
+                q = i + offs
+                x = tl.load(cx_ptr + row * CAP + q, mask=q < n, other=float("-inf"))
+                o = tl.load(cid_ptr + row * CAP + q, mask=q < n, other=0)
+                keep = _keep(x, o, bv, bid) & (q < n)
+                ki = keep.to(tl.int32)
+                pos = base + tl.cumsum(ki, axis=0) - 1
+                tl.store(ids_ptr + pos, o, mask=keep)
+                base += tl.sum(ki, axis=0)
 
 
 # ---------------------------------------------------------------------------------
@@ -537,18 +563,18 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
                 "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
     if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK or r < prefilter_module.MIN_ROWS:
         run_all = torch.zeros(r, dtype=torch.int32, device=dev)
-        _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, 1, run_all,
-                               v, COMPACT=False, **settings)
+        _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, run_all, v,
+                               COMPACT=False, **settings)
         return out
     # Rows cut to their candidates first (many programs per row); each row is then searched
     # over its candidates, or over its full row where they did not fit.
     pf = prefilter_module.prefilter(x, *params)
+    out.candidates = pf
     full = pf.full_row
-    s = pf.extra_z.shape[1]
-    _kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.extra_z,
-                           pf.extra_finite, s, pf.ids, v, COMPACT=True, **settings)
-    _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.extra_z,
-                           pf.extra_finite, s, pf.ids, v, COMPACT=False, **settings)
+    _kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.row_z, pf.row_finite,
+                           pf.ids, v, COMPACT=True, **settings)
+    _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.row_z, pf.row_finite,
+                           pf.ids, v, COMPACT=False, **settings)
     return out
 
 
@@ -582,6 +608,8 @@ def redo_flagged(proc, temperature, top_k, top_p, min_p, b: KeptBounds) -> None:
     b.count[rows] = fs.count.to(torch.int32)
     b.logz[rows] = fs.logz
     b.failed[rows] = 0
+    if b.candidates is not None:  # the redone sets are described on the full rows
+        b.candidates.full_row[rows] = 1
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -602,8 +630,15 @@ def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int
     x = proc if proc.stride(1) == 1 else proc.contiguous()
     r, v = x.shape
     ids = torch.empty(total, dtype=torch.int32, device=x.device)
-    if r and total:
-        _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, BLOCK=2 * BLOCK, num_warps=4)
+    if not (r and total):
+        return ids
+    pf = b.candidates
+    # full rows are compacted from the logits, the others from their candidates
+    skip = torch.zeros(r, dtype=torch.int32, device=x.device) if pf is None else 1 - pf.full_row
+    _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, skip, BLOCK=2 * BLOCK, num_warps=4)
+    if pf is not None:
+        _compact_candidates_kernel[(r,)](pf.x, pf.ids, pf.x.shape[1], pf.count, b.value, b.last_id, offsets, ids,
+                                         pf.full_row, BLOCK=2 * BLOCK, num_warps=4)
     return ids
 
 

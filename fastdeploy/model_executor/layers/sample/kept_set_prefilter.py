@@ -2,23 +2,27 @@
 
 The row kernel (`kept_set_gpu._kept_set_kernel`) runs one program per row, so its time is
 one program's latency over the whole row, several passes long. This module first cuts every
-row down with passes that many programs share (each row split into chunks):
+row down with two passes that many programs share (each row split into chunks of CHUNK):
 
-1. the row max ``M`` (per-chunk maxima, then a reduction);
-2. a histogram of ``d = (M - x) / T`` in buckets of ``WIDTH``: exact integer counts and
-   float64 masses ``exp(-d)``;
-3. per row, the last bucket ``J`` the search needs, for the first rule in effect (the later
-   ones work inside its kept prefix): top-k needs the first ``k`` logits; top-p (without
-   top-k) needs buckets holding ``top_p`` of the row's mass, with a margin far above the
-   float64 rounding of the sums; min-p alone keeps ``d <= -ln(min_p)``;
-4. the logits of buckets ``<= J`` are written in id order (a stable compaction), and the
-   mass and count of the rest are summed (float64), since the row kernel's normaliser and
-   top-k test cover the whole row.
+1. `_chunk_histogram_kernel`, per chunk: its max ``m_c``, its float64 normaliser
+   ``Σ exp((x - m_c) / T)``, its finite count, and a histogram of the logits on a grid of
+   step ``WIDTH * T`` (counts, and float32 masses for choosing only). The grid is absolute:
+   a logit's cell is ``g(x) = floor(x / (WIDTH * T))`` and bin ``j`` of a chunk holds the
+   logits with ``g(x) = g(m_c) - j`` (the last bin, everything lower). Every chunk's bins
+   line up with the row's after an integer shift, so no chunk needs the row max first.
+2. `_choose_kernel`, per row: the row max and normaliser, the merged histogram, and the
+   last row bin ``J`` the search needs for the first rule in effect (the later rules work
+   inside its prefix): top-k needs the first ``k`` logits; top-p (without top-k) bins whose
+   mass is at least ``top_p`` of the row's, after a margin for the float32 masses; min-p
+   alone keeps ``(M - x) / T <= -ln(min_p)``, two bins of slack for the rounding of ``g``.
+   It writes each chunk's exact candidate count before it (the counts are integers).
+3. `_gather_kernel`, per chunk: the candidates (row bin <= J) in id order at those offsets.
 
-The bucket of a logit is a monotone function of its value, so the candidates are exactly the
-logits above a value: every count the row kernel takes above its search interval's lower end
-is the whole row's count. A row whose candidates exceed ``CAP`` (flat rows, where top-p keeps
-most of the vocabulary) is left to the row kernel on its full row.
+A cell is a monotone function of the logit, so the candidates are exactly the logits above
+a value: every count the row kernel takes above its search interval's lower end is the
+whole row's count, and equal logits are never split. A row whose candidates exceed ``CAP``,
+or whose cut lies past the histogram (flat rows, where top-p keeps much of the vocabulary),
+is left to the row kernel on its full row.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ try:  # pragma: no cover - only on machines with triton
 except Exception:  # noqa: BLE001 - any import failure means no kernel
     triton = None
 
-BINS = 128  # histogram bins: BINS - 2 value buckets, one below them, one for -inf / padding
-WIDTH = 0.25  # bucket width in units of the temperature
+BINS = 32  # histogram bins per chunk: logits within BINS * WIDTH * T of the chunk max
+WIDTH = 0.5  # bin width in units of the temperature
 CAP = 16384  # candidates per row the row kernel reads; rows with more use their full row
-CHUNK = 8192  # logits per program of the prefilter passes
-BLOCK = 1024
-MASS_SLACK = 1e-9  # relative margin on the float64 bucket masses when choosing J for top-p
+CHUNK = 8192  # logits per program of the chunk passes
+BLOCK = 256  # logits per loop step of the histogram pass ([BLOCK, BINS] accumulators)
+GATHER_BLOCK = 1024
+MASS_SLACK = 1e-5  # relative margin on the float32 bin masses when choosing J for top-p
 # Prefilter only batches at least this large (below it the row kernel alone is as fast).
 MIN_ROWS = 8
 
@@ -48,189 +53,188 @@ class Candidates:
     """Rows cut to their candidates, in id order.
 
     x: float32 [R, CAP] logits, ids: int32 [R, CAP] their vocabulary ids, count: int32 [R].
-    extra_z: float64 [R, S], per chunk, sum of exp((x - M) / T) over the finite logits left out.
-    extra_finite: int32 [R, S], per chunk, how many finite logits were left out.
-    full_row: int32 [R], 1 for rows too wide for CAP (their candidates are not written).
+    row_z: float64 [R], the whole row's sum of exp((x - M) / T); row_finite: int32 [R], its
+    finite logits. full_row: int32 [R], 1 for rows searched on their full row (nothing written).
     """
 
     x: torch.Tensor
     ids: torch.Tensor
     count: torch.Tensor
-    extra_z: torch.Tensor
-    extra_finite: torch.Tensor
+    row_z: torch.Tensor
+    row_finite: torch.Tensor
     full_row: torch.Tensor
 
 
 if triton is not None:
 
     @triton.jit
-    def _bucket(x, m, it, NB: tl.constexpr, WIDTH: tl.constexpr):
-        """Bucket of each logit: floor(d / WIDTH) for d = (m - x) * it, NB beyond the range,
-        NB + 1 for -inf. The same float32 arithmetic everywhere keeps it monotone in x."""
-        d = (m - x) * it
-        j = tl.minimum(d * (1.0 / WIDTH), NB * 1.0).to(tl.int32)
-        return tl.where(x > float("-inf"), j, NB + 1)
+    def _cell(x, scale):
+        """floor(x * scale) as float64: the same float32 product and floor in every kernel, so
+        the histogram and the gather agree on every logit's bin."""
+        return tl.floor(x * scale).to(tl.float64)
 
     @triton.jit
-    def _row_max(pmax_ptr, row, S):
-        m = tl.full((), float("-inf"), tl.float32)
-        for c in range(S):
-            m = tl.maximum(m, tl.load(pmax_ptr + row * S + c))
-        return m
+    def _bin(x, ref, scale, BINS: tl.constexpr):
+        """Chunk bin of each logit: ref - cell, BINS past the histogram or for -inf."""
+        j = tl.minimum(ref - _cell(x, scale), BINS * 1.0)
+        return tl.where(x > float("-inf"), j, BINS * 1.0).to(tl.int32)
 
     @triton.jit
-    def _chunk_max_kernel(x_ptr, stride, V, pmax_ptr, S, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _scale(t_ptr, row, INV_W: tl.constexpr):
+        return INV_W / tl.load(t_ptr + row).to(tl.float32)
+
+    @triton.jit
+    def _chunk_histogram_kernel(x_ptr, stride, V, t_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr, mass_ptr,
+                                S, BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr,
+                                BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
+        xrow = x_ptr + row * stride
         offs = tl.arange(0, BLOCK)
-        acc = tl.full([BLOCK], float("-inf"), tl.float32)
-        for i in range(0, CHUNK, BLOCK):
-            o = c * CHUNK + i + offs
-            acc = tl.maximum(acc, tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf")))
-        tl.store(pmax_ptr + row * S + c, tl.max(acc, axis=0))
-
-    @triton.jit
-    def _histogram_kernel(x_ptr, stride, V, pmax_ptr, t_ptr, cnt_ptr, mass_ptr, S, NB: tl.constexpr,
-                          BINS: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """Per (row, chunk): counts and float64 masses of each bucket (masses by atomic adds into
-        the chunk's own bins; the bucket beyond the range is summed in registers)."""
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        offs = tl.arange(0, BLOCK)
-        m = _row_max(pmax_ptr, row, S)
-        it = 1.0 / tl.load(t_ptr + row).to(tl.float32)
+        scale = _scale(t_ptr, row, INV_W)
         it64 = 1.0 / tl.load(t_ptr + row).to(tl.float64)
-        h = tl.zeros([BINS], dtype=tl.int32)
-        far = tl.zeros([BLOCK], dtype=tl.float64)
-        bins = mass_ptr + (row * S + c) * BINS
+        lm = tl.full([BLOCK], float("-inf"), tl.float32)
         for i in range(0, CHUNK, BLOCK):
             o = c * CHUNK + i + offs
-            x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
-            j = _bucket(x, m, it, NB, WIDTH)
-            h += tl.histogram(j, BINS)
-            e = tl.exp((x.to(tl.float64) - m.to(tl.float64)) * it64)
-            tl.atomic_add(bins + j, e, mask=j < NB, sem="relaxed")
-            far += tl.where(j == NB, e, 0.0)
-        tl.store(cnt_ptr + (row * S + c) * BINS + tl.arange(0, BINS), h)
-        tl.atomic_add(bins + NB, tl.sum(far, axis=0), sem="relaxed")
+            lm = tl.maximum(lm, tl.load(xrow + o, mask=o < V, other=float("-inf")))
+        m = tl.max(lm, axis=0)
+        m64 = m.to(tl.float64)
+        ref = _cell(m, scale)
+        jj = tl.arange(0, BINS)
+        cnt = tl.zeros([BLOCK, BINS], dtype=tl.int32)
+        mass = tl.zeros([BLOCK, BINS], dtype=tl.float32)
+        z = tl.zeros([BLOCK], dtype=tl.float64)
+        fin = tl.zeros([BLOCK], dtype=tl.int32)
+        # The second read of the chunk mostly hits L2 (the first one just brought it in).
+        for i in range(0, CHUNK, BLOCK):
+            o = c * CHUNK + i + offs
+            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+            f = x > float("-inf")
+            e = tl.where(f, tl.exp((x.to(tl.float64) - m64) * it64), 0.0)
+            z += e
+            fin += f.to(tl.int32)
+            hit = _bin(x, ref, scale, BINS)[:, None] == jj[None, :]
+            cnt += hit.to(tl.int32)
+            mass += tl.where(hit, e.to(tl.float32)[:, None], 0.0)
+        k = row * S + c
+        tl.store(cmax_ptr + k, m)
+        tl.store(cref_ptr + k, ref)
+        tl.store(cz_ptr + k, tl.sum(z, axis=0))
+        tl.store(cfin_ptr + k, tl.sum(fin, axis=0))
+        tl.store(cnt_ptr + k * BINS + jj, tl.sum(cnt, axis=0))
+        tl.store(mass_ptr + k * BINS + jj, tl.sum(mass, axis=0))
 
     @triton.jit
-    def _choose_kernel(cnt_ptr, mass_ptr, k_ptr, p_ptr, mp_ptr, last_ptr, count_ptr, full_ptr, S,
-                       CAP, SLACK: tl.constexpr, NB: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr):
-        """Per row: the last bucket the row kernel needs, the candidates' count, whether they fit."""
+    def _choose_kernel(t_ptr, k_ptr, p_ptr, mp_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr, mass_ptr,
+                       lim_ptr, coff_ptr, count_ptr, z_ptr, fin_ptr, full_ptr, S, CAP,
+                       SLACK: tl.constexpr, BINS: tl.constexpr, INV_W: tl.constexpr):
+        """Per row: the last row bin J the search needs, each chunk's limit (J minus its shift)
+        and candidate offset, the candidates' count, the row's normaliser and finite count."""
         row = tl.program_id(0).to(tl.int64)
-        jb = tl.arange(0, BINS)
+        it64 = 1.0 / tl.load(t_ptr + row).to(tl.float64)
+        jj = tl.arange(0, BINS)
+        mx = tl.full((), float("-inf"), tl.float32)
+        rref = tl.full((), float("-inf"), tl.float64)
+        nfin = tl.zeros((), dtype=tl.int32)
+        for c in range(S):
+            mx = tl.maximum(mx, tl.load(cmax_ptr + row * S + c))
+            rref = tl.maximum(rref, tl.load(cref_ptr + row * S + c))
+            nfin += tl.load(cfin_ptr + row * S + c)
+        mx64 = mx.to(tl.float64)
+        z = tl.zeros((), dtype=tl.float64)
         cnt = tl.zeros([BINS], dtype=tl.int32)
         mass = tl.zeros([BINS], dtype=tl.float64)
         for c in range(S):
-            cnt += tl.load(cnt_ptr + (row * S + c) * BINS + jb)
-            mass += tl.load(mass_ptr + (row * S + c) * BINS + jb)
-        value = jb < NB
-        cum = tl.cumsum(tl.where(value, cnt, 0), axis=0)
-        finite = tl.sum(tl.where(jb <= NB, cnt, 0), axis=0)
-        total = tl.sum(tl.where(jb <= NB, mass, 0.0), axis=0)
-        cmass = tl.cumsum(tl.where(value, mass, 0.0), axis=0)
-        k = tl.load(k_ptr + row).to(tl.int32)
+            k = row * S + c
+            cm = tl.load(cmax_ptr + k)
+            live = cm > float("-inf")
+            z += tl.where(live, tl.load(cz_ptr + k) * tl.exp((cm.to(tl.float64) - mx64) * it64), 0.0)
+            shift = tl.minimum(rref - tl.load(cref_ptr + k), BINS * 1.0).to(tl.int32)
+            src = jj - shift
+            ok = tl.where(live, src, -1) >= 0
+            cnt += tl.load(cnt_ptr + k * BINS + src, mask=ok, other=0)
+            w = tl.exp((cm.to(tl.float64) - mx64) * it64)
+            mass += tl.load(mass_ptr + k * BINS + src, mask=ok, other=0.0).to(tl.float64) * w
+        ccnt = tl.cumsum(cnt, axis=0)
+        cmass = tl.cumsum(mass, axis=0)
+        top_k = tl.load(k_ptr + row).to(tl.int32)
         p = tl.load(p_ptr + row).to(tl.float64)
         mp = tl.minimum(tl.load(mp_ptr + row).to(tl.float64), 1.0)
-        k_on = (k > 0) & (k < finite)
-        k_last = tl.sum((value & (cum < k)).to(tl.int32), axis=0)
-        p_last = tl.sum((value & (cmass * (1.0 - SLACK) < p * total * (1.0 + SLACK))).to(tl.int32), axis=0)
-        # d <= -ln(min_p), one bucket of slack for the float32 d
-        m_d = -tl.log(tl.maximum(mp, 1e-300)) / WIDTH * (1.0 + 1e-5)
-        m_last = tl.minimum(m_d, NB * 1.0).to(tl.int32) + 1
-        last = tl.where(k_on, k_last, tl.where(p < 1.0, p_last, tl.where(mp > 0.0, m_last, NB)))
-        last = tl.minimum(last, NB)
-        count = tl.sum(tl.where(jb <= last, cnt, 0), axis=0)
-        tl.store(last_ptr + row, last)
-        tl.store(count_ptr + row, count)
-        tl.store(full_ptr + row, (count > CAP).to(tl.int32))
+        # first bin meeting each rule (BINS: none within the histogram)
+        j_k = tl.min(tl.where(ccnt >= top_k, jj, BINS), axis=0)
+        j_p = tl.min(tl.where(cmass * (1.0 - SLACK) >= p * z, jj, BINS), axis=0)
+        d_mp = -tl.log(tl.maximum(mp, 1e-300)) * INV_W
+        j_m = tl.minimum(tl.ceil(d_mp), BINS * 1.0).to(tl.int32) + 2
+        k_on = (top_k > 0) & (top_k < nfin)
+        last = tl.where(k_on, j_k, tl.where(p < 1.0, j_p, tl.where(mp > 0.0, j_m, BINS)))
+        count = tl.sum(tl.where(jj <= last, cnt, 0), axis=0)
+        full = (last >= BINS) | (count > CAP) | (mx == float("-inf"))
+        base = tl.zeros((), dtype=tl.int32)
+        for c in range(S):
+            k = row * S + c
+            cm = tl.load(cmax_ptr + k)
+            shift = tl.minimum(rref - tl.load(cref_ptr + k), BINS * 1.0).to(tl.int32)
+            lim = tl.where((cm > float("-inf")) & (full == 0), last - shift, -1)
+            tl.store(lim_ptr + k, lim)
+            tl.store(coff_ptr + k, base)
+            base += tl.sum(tl.where(jj <= lim, tl.load(cnt_ptr + k * BINS + jj), 0), axis=0)
+        tl.store(count_ptr + row, tl.where(full, 0, count))
+        tl.store(z_ptr + row, z)
+        tl.store(fin_ptr + row, nfin)
+        tl.store(full_ptr + row, full.to(tl.int32))
 
     @triton.jit
-    def _chunk_count_kernel(x_ptr, stride, V, pmax_ptr, t_ptr, last_ptr, full_ptr, ccnt_ptr, S, NB: tl.constexpr,
-                            WIDTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _gather_kernel(x_ptr, stride, V, t_ptr, cref_ptr, lim_ptr, coff_ptr, cx_ptr, cid_ptr, S, CAP,
+                       BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Writes the chunk's candidates after those of the chunks before it (id order)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        n = tl.zeros((), dtype=tl.int32)
-        if tl.load(full_ptr + row) == 0:
+        k = row * S + c
+        lim = tl.load(lim_ptr + k)
+        if lim >= 0:
+            xrow = x_ptr + row * stride
             offs = tl.arange(0, BLOCK)
-            m = _row_max(pmax_ptr, row, S)
-            it = 1.0 / tl.load(t_ptr + row).to(tl.float32)
-            last = tl.load(last_ptr + row)
+            scale = _scale(t_ptr, row, INV_W)
+            ref = tl.load(cref_ptr + k)
+            base = tl.load(coff_ptr + k)
             for i in range(0, CHUNK, BLOCK):
                 o = c * CHUNK + i + offs
-                x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
-                n += tl.sum((_bucket(x, m, it, NB, WIDTH) <= last).to(tl.int32), axis=0)
-        tl.store(ccnt_ptr + row * S + c, n)
-
-    @triton.jit
-    def _compact_candidates_kernel(x_ptr, stride, V, pmax_ptr, t_ptr, last_ptr, full_ptr, ccnt_ptr, cx_ptr, cid_ptr,
-                                   oz_ptr, of_ptr, S, CAP, NB: tl.constexpr, WIDTH: tl.constexpr,
-                                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """Writes the chunk's candidates after those of the chunks before it (id order), and the
-        mass and count of the finite logits it leaves out (per chunk: summed in a fixed order
-        later, so the result does not depend on scheduling)."""
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        ez = tl.zeros((), dtype=tl.float64)
-        ef = tl.zeros((), dtype=tl.int32)
-        if tl.load(full_ptr + row) == 0:
-            offs = tl.arange(0, BLOCK)
-            m = _row_max(pmax_ptr, row, S)
-            it = 1.0 / tl.load(t_ptr + row).to(tl.float32)
-            it64 = 1.0 / tl.load(t_ptr + row).to(tl.float64)
-            last = tl.load(last_ptr + row)
-            base = tl.zeros((), dtype=tl.int32)
-            for c2 in range(c):
-                base += tl.load(ccnt_ptr + row * S + c2)
-            zs = tl.zeros([BLOCK], dtype=tl.float64)
-            fs = tl.zeros([BLOCK], dtype=tl.int32)
-            for i in range(0, CHUNK, BLOCK):
-                o = c * CHUNK + i + offs
-                x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
-                j = _bucket(x, m, it, NB, WIDTH)
-                sel = j <= last
+                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+                sel = _bin(x, ref, scale, BINS) <= lim
                 si = sel.to(tl.int32)
                 pos = base + tl.cumsum(si, axis=0) - 1
                 tl.store(cx_ptr + row * CAP + pos, x, mask=sel)
                 tl.store(cid_ptr + row * CAP + pos, o, mask=sel)
                 base += tl.sum(si, axis=0)
-                out = (j > last) & (j <= NB)
-                zs += tl.where(out, tl.exp((x.to(tl.float64) - m.to(tl.float64)) * it64), 0.0)
-                fs += out.to(tl.int32)
-            ez = tl.sum(zs, axis=0)
-            ef = tl.sum(fs, axis=0)
-        tl.store(oz_ptr + row * S + c, ez)
-        tl.store(of_ptr + row * S + c, ef)
 
 
 def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
               min_p: torch.Tensor) -> Candidates:
-    """Candidates of each row of x (float32 [R, V], unit stride): five launches, no host sync."""
+    """Candidates of each row of x (float32 [R, V], unit stride): three launches, no host sync."""
     r, v = x.shape
     dev = x.device
     s = triton.cdiv(v, CHUNK)
     grid = (r, s)
     t = temperature.float().contiguous()
-    nb = BINS - 2
-    pmax = torch.empty(r, s, dtype=torch.float32, device=dev)
-    _chunk_max_kernel[grid](x, x.stride(0), v, pmax, s, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    inv_w = 1.0 / WIDTH
+    cmax = torch.empty(r, s, dtype=torch.float32, device=dev)
+    cref = torch.empty(r, s, dtype=torch.float64, device=dev)
+    cz = torch.empty(r, s, dtype=torch.float64, device=dev)
+    cfin = torch.empty(r, s, dtype=torch.int32, device=dev)
     cnt = torch.empty(r, s, BINS, dtype=torch.int32, device=dev)
-    mass = torch.zeros(r, s, BINS, dtype=torch.float64, device=dev)
-    _histogram_kernel[grid](x, x.stride(0), v, pmax, t, cnt, mass, s, NB=nb, BINS=BINS, WIDTH=WIDTH, CHUNK=CHUNK,
-                            BLOCK=BLOCK, num_warps=4)
-    last = torch.empty(r, dtype=torch.int32, device=dev)
+    mass = torch.empty(r, s, BINS, dtype=torch.float32, device=dev)
+    _chunk_histogram_kernel[grid](x, x.stride(0), v, t, cmax, cref, cz, cfin, cnt, mass, s, BINS=BINS, INV_W=inv_w,
+                                  CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    lim = torch.empty(r, s, dtype=torch.int32, device=dev)
+    coff = torch.empty(r, s, dtype=torch.int32, device=dev)
     count = torch.empty(r, dtype=torch.int32, device=dev)
+    row_z = torch.empty(r, dtype=torch.float64, device=dev)
+    row_fin = torch.empty(r, dtype=torch.int32, device=dev)
     full = torch.empty(r, dtype=torch.int32, device=dev)
-    _choose_kernel[(r,)](cnt, mass, top_k, top_p, min_p, last, count, full, s, CAP,
-                         SLACK=MASS_SLACK, NB=nb, BINS=BINS, WIDTH=WIDTH, num_warps=4)
-    chunk_count = torch.empty(r, s, dtype=torch.int32, device=dev)
-    _chunk_count_kernel[grid](x, x.stride(0), v, pmax, t, last, full, chunk_count, s, NB=nb, WIDTH=WIDTH,
-                              CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    _choose_kernel[(r,)](t, top_k, top_p, min_p, cmax, cref, cz, cfin, cnt, mass, lim, coff, count, row_z, row_fin,
+                         full, s, CAP, SLACK=MASS_SLACK, BINS=BINS, INV_W=inv_w, num_warps=1)
     cx = torch.empty(r, CAP, dtype=torch.float32, device=dev)
     cid = torch.empty(r, CAP, dtype=torch.int32, device=dev)
-    extra_z = torch.empty(r, s, dtype=torch.float64, device=dev)
-    extra_finite = torch.empty(r, s, dtype=torch.int32, device=dev)
-    _compact_candidates_kernel[grid](x, x.stride(0), v, pmax, t, last, full, chunk_count, cx, cid, extra_z,
-                                     extra_finite, s, CAP, NB=nb, WIDTH=WIDTH, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
-    return Candidates(cx, cid, count, extra_z, extra_finite, full)
+    _gather_kernel[grid](x, x.stride(0), v, t, cref, lim, coff, cx, cid, s, CAP, BINS=BINS, INV_W=inv_w, CHUNK=CHUNK,
+                         BLOCK=GATHER_BLOCK, num_warps=4)
+    return Candidates(cx, cid, count, row_z, row_fin, full)
