@@ -5,17 +5,18 @@ one program's latency over the whole row, several passes long. This module first
 row down with two passes that many programs share (each row split into chunks of CHUNK):
 
 1. `_chunk_histogram_kernel`, per chunk: its max ``m_c``, its float64 normaliser
-   ``Σ exp((x - m_c) / T)``, its finite count, and a histogram of the logits on a grid of
-   step ``WIDTH * T`` (counts, and float32 masses for choosing only). The grid is absolute:
-   a logit's cell is ``g(x) = floor(x / (WIDTH * T))`` and bin ``j`` of a chunk holds the
-   logits with ``g(x) = g(m_c) - j`` (the last bin, everything lower). Every chunk's bins
-   line up with the row's after an integer shift, so no chunk needs the row max first.
-2. `_choose_kernel`, per row: the row max and normaliser, the merged histogram, and the
-   last row bin ``J`` the search needs for the first rule in effect (the later rules work
-   inside its prefix): top-k needs the first ``k`` logits; top-p (without top-k) bins whose
-   mass is at least ``top_p`` of the row's, after a margin for the float32 masses; min-p
-   alone keeps ``(M - x) / T <= -ln(min_p)``, two bins of slack for the rounding of ``g``.
-   It writes each chunk's exact candidate count before it (the counts are integers).
+   ``Σ exp((x - m_c) / T)``, its finite count, and a histogram of the logits' counts on a
+   grid of step ``WIDTH * T``. The grid is absolute: a logit's cell is
+   ``g(x) = floor(x / (WIDTH * T))`` and bin ``j`` of a chunk holds the logits with
+   ``g(x) = g(m_c) - j`` (the last bin, everything lower). Every chunk's bins line up with
+   the row's after an integer shift, so no chunk needs the row max first.
+2. `_choose_kernel`, per row: the row max and exact normaliser ``Z``, the merged counts, and
+   the last row bin ``J`` the search needs for the first rule in effect (the later rules
+   work inside its prefix): top-k needs the first ``k`` logits; top-p (without top-k) needs
+   ``Z`` less a bound of the mass below ``J`` to reach ``top_p * Z`` (a logit in chunk bin
+   ``b`` lies more than ``(b - 1) * WIDTH * T`` below its chunk max, so its count bounds its
+   mass); min-p alone keeps ``(M - x) / T <= -ln(min_p)``, two bins of slack for the
+   rounding of ``g``. It writes each chunk's exact candidate count before it.
 3. `_gather_kernel`, per chunk: the candidates (row bin <= J) in id order at those offsets.
 
 A cell is a monotone function of the logit, so the candidates are exactly the logits above
@@ -37,13 +38,14 @@ try:  # pragma: no cover - only on machines with triton
 except Exception:  # noqa: BLE001 - any import failure means no kernel
     triton = None
 
-BINS = 32  # histogram bins per chunk: logits within BINS * WIDTH * T of the chunk max
+BINS = 64  # histogram bins per chunk: the last one holds the logits below (BINS - 1) * WIDTH * T
 WIDTH = 0.5  # bin width in units of the temperature
 CAP = 16384  # candidates per row the row kernel reads; rows with more use their full row
 CHUNK = 8192  # logits per program of the chunk passes
-BLOCK = 256  # logits per loop step of the histogram pass ([BLOCK, BINS] accumulators)
+BLOCK = 1024  # logits per loop step of the histogram pass
+NUM_WARPS = 8
 GATHER_BLOCK = 1024
-MASS_SLACK = 1e-5  # relative margin on the float32 bin masses when choosing J for top-p
+MASS_SLACK = 1e-9  # relative margin on the float64 mass bounds when choosing J for top-p
 # Prefilter only batches at least this large (below it the row kernel alone is as fast).
 MIN_ROWS = 8
 
@@ -75,18 +77,17 @@ if triton is not None:
 
     @triton.jit
     def _bin(x, ref, scale, BINS: tl.constexpr):
-        """Chunk bin of each logit: ref - cell, BINS past the histogram or for -inf."""
-        j = tl.minimum(ref - _cell(x, scale), BINS * 1.0)
-        return tl.where(x > float("-inf"), j, BINS * 1.0).to(tl.int32)
+        """Chunk bin of each logit: ref - cell; the last bin holds everything lower and -inf."""
+        j = tl.minimum(ref - _cell(x, scale), BINS - 1.0)
+        return tl.where(x > float("-inf"), j, BINS - 1.0).to(tl.int32)
 
     @triton.jit
     def _scale(t_ptr, row, INV_W: tl.constexpr):
         return INV_W / tl.load(t_ptr + row).to(tl.float32)
 
     @triton.jit
-    def _chunk_histogram_kernel(x_ptr, stride, V, t_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr, mass_ptr,
-                                S, BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr,
-                                BLOCK: tl.constexpr):
+    def _chunk_histogram_kernel(x_ptr, stride, V, t_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr, S,
+                                BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         xrow = x_ptr + row * stride
@@ -100,9 +101,7 @@ if triton is not None:
         m = tl.max(lm, axis=0)
         m64 = m.to(tl.float64)
         ref = _cell(m, scale)
-        jj = tl.arange(0, BINS)
-        cnt = tl.zeros([BLOCK, BINS], dtype=tl.int32)
-        mass = tl.zeros([BLOCK, BINS], dtype=tl.float32)
+        h = tl.zeros([BINS], dtype=tl.int32)
         z = tl.zeros([BLOCK], dtype=tl.float64)
         fin = tl.zeros([BLOCK], dtype=tl.int32)
         # The second read of the chunk mostly hits L2 (the first one just brought it in).
@@ -110,29 +109,32 @@ if triton is not None:
             o = c * CHUNK + i + offs
             x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
             f = x > float("-inf")
-            e = tl.where(f, tl.exp((x.to(tl.float64) - m64) * it64), 0.0)
-            z += e
+            z += tl.where(f, tl.exp((x.to(tl.float64) - m64) * it64), 0.0)
             fin += f.to(tl.int32)
-            hit = _bin(x, ref, scale, BINS)[:, None] == jj[None, :]
-            cnt += hit.to(tl.int32)
-            mass += tl.where(hit, e.to(tl.float32)[:, None], 0.0)
+            h += tl.histogram(_bin(x, ref, scale, BINS), BINS)
         k = row * S + c
         tl.store(cmax_ptr + k, m)
         tl.store(cref_ptr + k, ref)
         tl.store(cz_ptr + k, tl.sum(z, axis=0))
         tl.store(cfin_ptr + k, tl.sum(fin, axis=0))
-        tl.store(cnt_ptr + k * BINS + jj, tl.sum(cnt, axis=0))
-        tl.store(mass_ptr + k * BINS + jj, tl.sum(mass, axis=0))
+        tl.store(cnt_ptr + k * BINS + tl.arange(0, BINS), h)
 
     @triton.jit
-    def _choose_kernel(t_ptr, k_ptr, p_ptr, mp_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr, mass_ptr,
+    def _choose_kernel(t_ptr, k_ptr, p_ptr, mp_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr,
                        lim_ptr, coff_ptr, count_ptr, z_ptr, fin_ptr, full_ptr, S, CAP,
-                       SLACK: tl.constexpr, BINS: tl.constexpr, INV_W: tl.constexpr):
+                       SLACK: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr):
         """Per row: the last row bin J the search needs, each chunk's limit (J minus its shift)
-        and candidate offset, the candidates' count, the row's normaliser and finite count."""
+        and candidate offset, the candidates' count, the row's normaliser and finite count.
+
+        Top-p takes the first J whose head mass, the exact normaliser less an upper bound of
+        the mass below J, is at least top_p of the normaliser. A logit in chunk bin b lies more
+        than (b - 1) * WIDTH * T below its chunk's max, which bounds its mass from its count."""
         row = tl.program_id(0).to(tl.int64)
         it64 = 1.0 / tl.load(t_ptr + row).to(tl.float64)
         jj = tl.arange(0, BINS)
+        window = jj < BINS - 1  # the last bin is the chunk's far logits (and -inf)
+        # bound of exp((x - m_c) / T) in chunk bin b
+        ub = tl.exp(-tl.maximum(jj - 1, 0).to(tl.float64) * WIDTH)
         mx = tl.full((), float("-inf"), tl.float32)
         rref = tl.full((), float("-inf"), tl.float64)
         nfin = tl.zeros((), dtype=tl.int32)
@@ -142,33 +144,41 @@ if triton is not None:
             nfin += tl.load(cfin_ptr + row * S + c)
         mx64 = mx.to(tl.float64)
         z = tl.zeros((), dtype=tl.float64)
-        cnt = tl.zeros([BINS], dtype=tl.int32)
-        mass = tl.zeros([BINS], dtype=tl.float64)
+        cnt = tl.zeros([BINS], dtype=tl.int32)  # per row bin (window bins only)
+        upper = tl.zeros([BINS], dtype=tl.float64)  # bound of the mass per row bin
+        beyond = tl.zeros((), dtype=tl.float64)  # bound of the mass past the row's window
         for c in range(S):
             k = row * S + c
             cm = tl.load(cmax_ptr + k)
             live = cm > float("-inf")
-            z += tl.where(live, tl.load(cz_ptr + k) * tl.exp((cm.to(tl.float64) - mx64) * it64), 0.0)
+            wc = tl.where(live, tl.exp((cm.to(tl.float64) - mx64) * it64), 0.0)
+            z += tl.where(live, tl.load(cz_ptr + k) * wc, 0.0)
             shift = tl.minimum(rref - tl.load(cref_ptr + k), BINS * 1.0).to(tl.int32)
+            own = tl.load(cnt_ptr + k * BINS + jj)
+            # the far bin also counts the -inf logits: its finite count is what the others leave
+            own = tl.where(window, own, tl.load(cfin_ptr + k) - tl.sum(tl.where(window, own, 0), axis=0))
+            beyond += tl.sum(tl.where(jj + shift >= BINS - 1, own.to(tl.float64) * ub, 0.0), axis=0) * wc
             src = jj - shift
-            ok = tl.where(live, src, -1) >= 0
-            cnt += tl.load(cnt_ptr + k * BINS + src, mask=ok, other=0)
-            w = tl.exp((cm.to(tl.float64) - mx64) * it64)
-            mass += tl.load(mass_ptr + k * BINS + src, mask=ok, other=0.0).to(tl.float64) * w
+            ok = (tl.where(live, src, -1) >= 0) & window
+            moved = tl.load(cnt_ptr + k * BINS + src, mask=ok, other=0)
+            cnt += moved
+            upper += moved.to(tl.float64) * tl.exp(-tl.maximum(src - 1, 0).to(tl.float64) * WIDTH) * wc
         ccnt = tl.cumsum(cnt, axis=0)
-        cmass = tl.cumsum(mass, axis=0)
+        # bound of the mass below row bin J: the later window bins, and everything beyond
+        below = tl.sum(upper, axis=0) - tl.cumsum(upper, axis=0) + beyond
         top_k = tl.load(k_ptr + row).to(tl.int32)
         p = tl.load(p_ptr + row).to(tl.float64)
         mp = tl.minimum(tl.load(mp_ptr + row).to(tl.float64), 1.0)
-        # first bin meeting each rule (BINS: none within the histogram)
-        j_k = tl.min(tl.where(ccnt >= top_k, jj, BINS), axis=0)
-        j_p = tl.min(tl.where(cmass * (1.0 - SLACK) >= p * z, jj, BINS), axis=0)
-        d_mp = -tl.log(tl.maximum(mp, 1e-300)) * INV_W
+        # first bin meeting each rule (BINS: none within the window)
+        j_k = tl.min(tl.where(window & (ccnt >= top_k), jj, BINS), axis=0)
+        j_p = tl.min(tl.where(window & ((z - below * (1.0 + SLACK)) >= p * z * (1.0 + SLACK)), jj, BINS), axis=0)
+        # min-p keeps (M - x) / T <= -ln(min_p): two bins of slack for the rounding of the cells
+        d_mp = -tl.log(tl.maximum(mp, 1e-300)) / WIDTH
         j_m = tl.minimum(tl.ceil(d_mp), BINS * 1.0).to(tl.int32) + 2
         k_on = (top_k > 0) & (top_k < nfin)
         last = tl.where(k_on, j_k, tl.where(p < 1.0, j_p, tl.where(mp > 0.0, j_m, BINS)))
         count = tl.sum(tl.where(jj <= last, cnt, 0), axis=0)
-        full = (last >= BINS) | (count > CAP) | (mx == float("-inf"))
+        full = (last >= BINS - 1) | (count > CAP) | (mx == float("-inf"))
         base = tl.zeros((), dtype=tl.int32)
         for c in range(S):
             k = row * S + c
@@ -177,7 +187,7 @@ if triton is not None:
             lim = tl.where((cm > float("-inf")) & (full == 0), last - shift, -1)
             tl.store(lim_ptr + k, lim)
             tl.store(coff_ptr + k, base)
-            base += tl.sum(tl.where(jj <= lim, tl.load(cnt_ptr + k * BINS + jj), 0), axis=0)
+            base += tl.sum(tl.where(window & (jj <= lim), tl.load(cnt_ptr + k * BINS + jj), 0), axis=0)
         tl.store(count_ptr + row, tl.where(full, 0, count))
         tl.store(z_ptr + row, z)
         tl.store(fin_ptr + row, nfin)
@@ -222,17 +232,16 @@ def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     cz = torch.empty(r, s, dtype=torch.float64, device=dev)
     cfin = torch.empty(r, s, dtype=torch.int32, device=dev)
     cnt = torch.empty(r, s, BINS, dtype=torch.int32, device=dev)
-    mass = torch.empty(r, s, BINS, dtype=torch.float32, device=dev)
-    _chunk_histogram_kernel[grid](x, x.stride(0), v, t, cmax, cref, cz, cfin, cnt, mass, s, BINS=BINS, INV_W=inv_w,
-                                  CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    _chunk_histogram_kernel[grid](x, x.stride(0), v, t, cmax, cref, cz, cfin, cnt, s, BINS=BINS, INV_W=inv_w,
+                                  CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
     lim = torch.empty(r, s, dtype=torch.int32, device=dev)
     coff = torch.empty(r, s, dtype=torch.int32, device=dev)
     count = torch.empty(r, dtype=torch.int32, device=dev)
     row_z = torch.empty(r, dtype=torch.float64, device=dev)
     row_fin = torch.empty(r, dtype=torch.int32, device=dev)
     full = torch.empty(r, dtype=torch.int32, device=dev)
-    _choose_kernel[(r,)](t, top_k, top_p, min_p, cmax, cref, cz, cfin, cnt, mass, lim, coff, count, row_z, row_fin,
-                         full, s, CAP, SLACK=MASS_SLACK, BINS=BINS, INV_W=inv_w, num_warps=1)
+    _choose_kernel[(r,)](t, top_k, top_p, min_p, cmax, cref, cz, cfin, cnt, lim, coff, count, row_z, row_fin,
+                         full, s, CAP, SLACK=MASS_SLACK, BINS=BINS, WIDTH=WIDTH, num_warps=1)
     cx = torch.empty(r, CAP, dtype=torch.float32, device=dev)
     cid = torch.empty(r, CAP, dtype=torch.int32, device=dev)
     _gather_kernel[grid](x, x.stride(0), v, t, cref, lim, coff, cx, cid, s, CAP, BINS=BINS, INV_W=inv_w, CHUNK=CHUNK,
