@@ -492,41 +492,33 @@ if triton is not None:
         tl.store(mask_ptr + row * V + o, keep.to(tl.int8), mask=o < V)
 
     @triton.jit
-    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, skip_ptr, BLOCK: tl.constexpr):
-        """Writes the kept ids of each row (skip == 0), ascending, at ids[offsets[row]:]."""
+    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, cx_ptr, cid_ptr, CAP, n_ptr, full_ptr,
+                        CANDIDATE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """Writes the kept ids of each row, ascending, at ids[offsets[row]:]. With
+        CANDIDATE_ROWS, rows the prefilter cut (full == 0) are read from their candidates
+        (in id order) instead of their logits."""
         row = tl.program_id(0).to(tl.int64)
-        if tl.load(skip_ptr + row) == 0:
-            xrow = x_ptr + row * stride
-            bv = tl.load(bv_ptr + row)
-            bid = tl.load(bid_ptr + row)
-            base = tl.load(off_ptr + row).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
-            for i in range(0, V, BLOCK):
-                o = i + offs
-                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
-                keep = _keep(x, o, bv, bid) & (o < V)
-                ki = keep.to(tl.int32)
-                pos = base + tl.cumsum(ki, axis=0) - 1
-                tl.store(ids_ptr + pos, o, mask=keep)
-                base += tl.sum(ki, axis=0)
-
-    @triton.jit
-    def _compact_candidates_kernel(cx_ptr, cid_ptr, CAP, n_ptr, bv_ptr, bid_ptr, off_ptr, ids_ptr, full_ptr,
-                                   BLOCK: tl.constexpr):
-        """`_compact_kernel` over a prefilter's candidates (in id order) of rows not searched
-        on their full row."""
-        row = tl.program_id(0).to(tl.int64)
-        if tl.load(full_ptr + row) == 0:
+        bv = tl.load(bv_ptr + row)
+        bid = tl.load(bid_ptr + row)
+        base = tl.load(off_ptr + row).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        if CANDIDATE_ROWS and tl.load(full_ptr + row) == 0:
             n = tl.load(n_ptr + row)
-            bv = tl.load(bv_ptr + row)
-            bid = tl.load(bid_ptr + row)
-            base = tl.load(off_ptr + row).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
             for i in range(0, n, BLOCK):
                 q = i + offs
                 x = tl.load(cx_ptr + row * CAP + q, mask=q < n, other=float("-inf"))
                 o = tl.load(cid_ptr + row * CAP + q, mask=q < n, other=0)
                 keep = _keep(x, o, bv, bid) & (q < n)
+                ki = keep.to(tl.int32)
+                pos = base + tl.cumsum(ki, axis=0) - 1
+                tl.store(ids_ptr + pos, o, mask=keep)
+                base += tl.sum(ki, axis=0)
+        else:
+            xrow = x_ptr + row * stride
+            for i in range(0, V, BLOCK):
+                o = i + offs
+                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+                keep = _keep(x, o, bv, bid) & (o < V)
                 ki = keep.to(tl.int32)
                 pos = base + tl.cumsum(ki, axis=0) - 1
                 tl.store(ids_ptr + pos, o, mask=keep)
@@ -613,15 +605,15 @@ def redo_flagged(proc, temperature, top_k, top_p, min_p, b: KeptBounds) -> None:
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    """int64 [R+1] exclusive cumsum of counts, on their device."""
-    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts, dim=0, out=offsets[1:])
+    """int32 [R+1] exclusive cumsum of counts, on their device (a total below R * V < 2**31)."""
+    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
     return offsets
 
 
 def _total_and_flagged(offsets: torch.Tensor, failed: torch.Tensor) -> tuple[int, int]:
     """The one device->host copy of the CSR path: ids to allocate, rows flagged."""
-    total, flagged = torch.stack([offsets[-1], failed.sum().to(torch.int64)]).tolist()
+    total, flagged = torch.stack([offsets[-1], failed.sum(dtype=torch.int32)]).tolist()
     return total, flagged
 
 
@@ -633,12 +625,9 @@ def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int
     if not (r and total):
         return ids
     pf = b.candidates
-    # full rows are compacted from the logits, the others from their candidates
-    skip = torch.zeros(r, dtype=torch.int32, device=x.device) if pf is None else 1 - pf.full_row
-    _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, skip, BLOCK=2 * BLOCK, num_warps=4)
-    if pf is not None:
-        _compact_candidates_kernel[(r,)](pf.x, pf.ids, pf.x.shape[1], pf.count, b.value, b.last_id, offsets, ids,
-                                         pf.full_row, BLOCK=2 * BLOCK, num_warps=4)
+    cands = (pf.x, pf.ids, pf.x.shape[1], pf.count, pf.full_row) if pf is not None else (x, offsets, 0, offsets, offsets)
+    _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, *cands, CANDIDATE_ROWS=pf is not None,
+                          BLOCK=2 * BLOCK, num_warps=4)
     return ids
 
 
@@ -655,7 +644,6 @@ def kept_set_csr(proc, temperature, top_k, top_p, min_p) -> tuple[torch.Tensor, 
         redo_flagged(proc, temperature, top_k, top_p, min_p, b)
         offsets = _offsets(b.count)
         total = int(offsets[-1])
-    offsets = offsets.to(torch.int32)
     return offsets, compact(proc, b, offsets, total), b.logz
 
 
@@ -736,6 +724,6 @@ def fill_sampling_mask_dense(
         take_truncating()
         offsets = _offsets(counts)
         total = int(offsets[-1])
-    out.mask_offsets = offsets.to(torch.int32)
+    out.mask_offsets = offsets
     out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, total)
     out.logz = logz
