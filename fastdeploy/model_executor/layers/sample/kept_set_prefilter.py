@@ -41,10 +41,10 @@ except Exception:  # noqa: BLE001 - any import failure means no kernel
 BINS = 128  # histogram bins per chunk: the last one holds the logits below (BINS - 1) * WIDTH * T
 WIDTH = 0.25  # bin width in units of the temperature
 CAP = 16384  # candidates per row the row kernel reads; rows with more use their full row
-CHUNK = 8192  # logits per program of the chunk passes
+CHUNK = 4096  # logits per program of the chunk passes
 BLOCK = 1024  # logits per loop step of the histogram pass
 NUM_WARPS = 8
-GATHER_BLOCK = 1024
+GATHER_BLOCK = 512
 MASS_SLACK = 1e-9  # relative margin on the float64 mass bounds when choosing J for top-p
 # Prefilter only batches at least this large (below it the row kernel alone is as fast).
 MIN_ROWS = 8
