@@ -35,8 +35,14 @@ ends; a row still unsettled after ``MAX_PASSES`` (no realistic input: the float3
 mass bound would have to stall on more than CANDIDATES logits) is flagged and keeps
 a superset, which the CSR path (`kept_set_csr`) redoes by the full sort.
 
-From the boundary, `_compact_kernel` writes the CSR ids straight from the logits
-(no dense mask), after one exclusive cumsum of the counts and one small
+For batches of at least `kept_set_prefilter.MIN_ROWS` rows over a vocabulary above
+``CAP * PREFILTER_MIN_SHRINK``, `kept_set_prefilter.prefilter` first cuts each row to its
+candidates (many programs per row); the row kernel then reads those (``COMPACT``), with the
+whole row's normaliser and finite count, and rows left with too many candidates keep the
+full-row kernel.
+
+From the boundary, `_compact_kernel` writes the CSR ids straight from the logits, or from a
+cut row's candidates (no dense mask), after one exclusive cumsum of the counts and one small
 device->host copy (total ids and whether any row was flagged) that sizes the output.
 The sampler's draw needs the dense mask: `_mask_kernel` writes it in one pass,
 without any host sync.
