@@ -41,10 +41,9 @@ except Exception:  # noqa: BLE001 - any import failure means no kernel
 BINS = 128  # histogram bins per chunk: the last one holds the logits below (BINS - 1) * WIDTH * T
 WIDTH = 0.25  # bin width in units of the temperature
 CAP = 16384  # candidates per row the row kernel reads; rows with more use their full row
-CHUNK = 4096  # logits per program of the chunk passes
-BLOCK = 1024  # logits per loop step of the histogram pass
-NUM_WARPS = 8
-GATHER_BLOCK = 512
+CHUNK = 4096  # logits per program of the chunk passes (held in registers: one read each)
+NUM_WARPS = 8  # of the chunk passes
+CHOOSE_CHUNKS = 16  # chunks per [chunks, BINS] tile of the choice
 MASS_SLACK = 1e-9  # relative margin on the float64 mass bounds when choosing J for top-p
 # Prefilter only batches at least this large (below it the row kernel alone is as fast).
 MIN_ROWS = 8
@@ -89,44 +88,32 @@ if triton is not None:
 
     @triton.jit
     def _chunk_histogram_kernel(x_ptr, stride, V, t_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr, S,
-                                BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                                BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr):
+        """One read of the chunk: it stays in registers for the max, the bins and the sums."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        xrow = x_ptr + row * stride
-        offs = tl.arange(0, BLOCK)
+        o = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
         scale = _scale(t_ptr, row, INV_W)
         it64 = 1.0 / tl.load(t_ptr + row).to(tl.float64)
-        lm = tl.full([BLOCK], float("-inf"), tl.float32)
-        for i in range(0, CHUNK, BLOCK):
-            o = c * CHUNK + i + offs
-            lm = tl.maximum(lm, tl.load(xrow + o, mask=o < V, other=float("-inf")))
-        m = tl.max(lm, axis=0)
-        m64 = m.to(tl.float64)
+        m = tl.max(x, axis=0)
         ref = _cell(m, scale)
-        h = tl.zeros([BINS], dtype=tl.int32)
-        z = tl.zeros([BLOCK], dtype=tl.float64)
-        fin = tl.zeros([BLOCK], dtype=tl.int32)
-        # The second read of the chunk mostly hits L2 (the first one just brought it in).
-        for i in range(0, CHUNK, BLOCK):
-            o = c * CHUNK + i + offs
-            x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
-            f = x > float("-inf")
-            z += tl.where(f, tl.exp((x.to(tl.float64) - m64) * it64), 0.0)
-            fin += f.to(tl.int32)
-            h += tl.histogram(_bin(x, ref, scale, BINS), BINS)
+        f = x > float("-inf")
+        z = tl.sum(tl.where(f, tl.exp((x.to(tl.float64) - m.to(tl.float64)) * it64), 0.0), axis=0)
         k = row * S + c
         tl.store(cmax_ptr + k, m)
         tl.store(cref_ptr + k, ref)
-        tl.store(cz_ptr + k, tl.sum(z, axis=0))
-        tl.store(cfin_ptr + k, tl.sum(fin, axis=0))
-        tl.store(cnt_ptr + k * BINS + tl.arange(0, BINS), h)
+        tl.store(cz_ptr + k, z)
+        tl.store(cfin_ptr + k, tl.sum(f.to(tl.int32), axis=0))
+        tl.store(cnt_ptr + k * BINS + tl.arange(0, BINS), tl.histogram(_bin(x, ref, scale, BINS), BINS))
 
     @triton.jit
     def _choose_kernel(t_ptr, k_ptr, p_ptr, mp_ptr, cmax_ptr, cref_ptr, cz_ptr, cfin_ptr, cnt_ptr,
                        lim_ptr, coff_ptr, count_ptr, z_ptr, fin_ptr, full_ptr, S, CAP,
-                       SLACK: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr):
+                       SLACK: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr, G: tl.constexpr):
         """Per row: the last row bin J the search needs, each chunk's limit (J minus its shift)
         and candidate offset, the candidates' count, the row's normaliser and finite count.
+        Chunks are taken G at a time as [G, BINS] tiles.
 
         Top-p takes the first J whose head mass, the exact normaliser less an upper bound of
         the mass below J, is at least top_p of the normaliser. A logit in chunk bin b lies more
@@ -134,37 +121,46 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         it64 = 1.0 / tl.load(t_ptr + row).to(tl.float64)
         jj = tl.arange(0, BINS)
+        gg = tl.arange(0, G)
         window = jj < BINS - 1  # the last bin is the chunk's far logits (and -inf)
         # bound of exp((x - m_c) / T) in chunk bin b
         ub = tl.exp(-tl.maximum(jj - 1, 0).to(tl.float64) * WIDTH)
         mx = tl.full((), float("-inf"), tl.float32)
         rref = tl.full((), float("-inf"), tl.float32)
         nfin = tl.zeros((), dtype=tl.int32)
-        for c in range(S):
-            mx = tl.maximum(mx, tl.load(cmax_ptr + row * S + c))
-            rref = tl.maximum(rref, tl.load(cref_ptr + row * S + c))
-            nfin += tl.load(cfin_ptr + row * S + c)
+        for g in range(0, S, G):
+            cs = g + gg
+            ok = cs < S
+            mx = tl.maximum(mx, tl.max(tl.load(cmax_ptr + row * S + cs, mask=ok, other=float("-inf")), axis=0))
+            rref = tl.maximum(rref, tl.max(tl.load(cref_ptr + row * S + cs, mask=ok, other=float("-inf")), axis=0))
+            nfin += tl.sum(tl.load(cfin_ptr + row * S + cs, mask=ok, other=0), axis=0)
         mx64 = mx.to(tl.float64)
         z = tl.zeros((), dtype=tl.float64)
         cnt = tl.zeros([BINS], dtype=tl.int32)  # per row bin (window bins only)
         upper = tl.zeros([BINS], dtype=tl.float64)  # bound of the mass per row bin
         beyond = tl.zeros((), dtype=tl.float64)  # bound of the mass past the row's window
-        for c in range(S):
-            k = row * S + c
-            cm = tl.load(cmax_ptr + k)
+        for g in range(0, S, G):
+            cs = g + gg
+            k = row * S + cs
+            cm = tl.load(cmax_ptr + k, mask=cs < S, other=float("-inf"))
             live = cm > float("-inf")
             wc = tl.where(live, tl.exp((cm.to(tl.float64) - mx64) * it64), 0.0)
-            z += tl.where(live, tl.load(cz_ptr + k) * wc, 0.0)
-            shift = tl.minimum(rref - tl.load(cref_ptr + k), BINS * 1.0).to(tl.int32)
-            own = tl.load(cnt_ptr + k * BINS + jj)
+            z += tl.sum(tl.where(live, tl.load(cz_ptr + k, mask=live, other=0.0) * wc, 0.0), axis=0)
+            shift = tl.minimum(rref - tl.load(cref_ptr + k, mask=live, other=0.0), BINS * 1.0).to(tl.int32)
+            shift = tl.where(live, shift, BINS)
+            own = tl.load(cnt_ptr + k[:, None] * BINS + jj[None, :], mask=live[:, None], other=0)
             # the far bin also counts the -inf logits: its finite count is what the others leave
-            own = tl.where(window, own, tl.load(cfin_ptr + k) - tl.sum(tl.where(window, own, 0), axis=0))
-            beyond += tl.sum(tl.where(jj + shift >= BINS - 1, own.to(tl.float64) * ub, 0.0), axis=0) * wc
-            src = jj - shift
-            ok = (tl.where(live, src, -1) >= 0) & window
-            moved = tl.load(cnt_ptr + k * BINS + src, mask=ok, other=0)
-            cnt += moved
-            upper += moved.to(tl.float64) * tl.exp(-tl.maximum(src - 1, 0).to(tl.float64) * WIDTH) * wc
+            near = tl.sum(tl.where(window[None, :], own, 0), axis=1)
+            far = tl.load(cfin_ptr + k, mask=live, other=0) - near
+            own = tl.where(window[None, :], own, far[:, None])
+            out = (jj[None, :] + shift[:, None]) >= BINS - 1
+            beyond += tl.sum(tl.sum(tl.where(out, own.to(tl.float64) * ub[None, :], 0.0), axis=1) * wc, axis=0)
+            src = jj[None, :] - shift[:, None]
+            take = (src >= 0) & window[None, :] & live[:, None]
+            moved = tl.load(cnt_ptr + k[:, None] * BINS + src, mask=take, other=0)
+            cnt += tl.sum(moved, axis=0)
+            bound = tl.exp(-tl.maximum(src - 1, 0).to(tl.float64) * WIDTH) * wc[:, None]
+            upper += tl.sum(moved.to(tl.float64) * bound, axis=0)
         ccnt = tl.cumsum(cnt, axis=0)
         # bound of the mass below row bin J: the later window bins, and everything beyond
         below = tl.sum(upper, axis=0) - tl.cumsum(upper, axis=0) + beyond
@@ -182,14 +178,19 @@ if triton is not None:
         count = tl.sum(tl.where(jj <= last, cnt, 0), axis=0)
         full = (last >= BINS - 1) | (count > CAP) | (mx == float("-inf")) | (tl.abs(rref) >= 8388608.0)
         base = tl.zeros((), dtype=tl.int32)
-        for c in range(S):
-            k = row * S + c
-            cm = tl.load(cmax_ptr + k)
-            shift = tl.minimum(rref - tl.load(cref_ptr + k), BINS * 1.0).to(tl.int32)
-            lim = tl.where((cm > float("-inf")) & (full == 0), last - shift, -1)
-            tl.store(lim_ptr + k, lim)
-            tl.store(coff_ptr + k, base)
-            base += tl.sum(tl.where(window & (jj <= lim), tl.load(cnt_ptr + k * BINS + jj), 0), axis=0)
+        for g in range(0, S, G):
+            cs = g + gg
+            k = row * S + cs
+            cm = tl.load(cmax_ptr + k, mask=cs < S, other=float("-inf"))
+            live = (cm > float("-inf")) & (gg * 0 + full.to(tl.int32) == 0)  # vector & vector
+            shift = tl.minimum(rref - tl.load(cref_ptr + k, mask=live, other=0.0), BINS * 1.0).to(tl.int32)
+            lim = tl.where(live, last - shift, -1)
+            tl.store(lim_ptr + k, lim, mask=cs < S)
+            own = tl.load(cnt_ptr + k[:, None] * BINS + jj[None, :], mask=live[:, None], other=0)
+            n = tl.sum(tl.where(window[None, :] & (jj[None, :] <= lim[:, None]), own, 0), axis=1)
+            run = tl.cumsum(n, axis=0)
+            tl.store(coff_ptr + k, base + run - n, mask=cs < S)
+            base += tl.sum(n, axis=0)
         tl.store(count_ptr + row, tl.where(full, 0, count))
         tl.store(z_ptr + row, z)
         tl.store(fin_ptr + row, nfin)
@@ -197,28 +198,21 @@ if triton is not None:
 
     @triton.jit
     def _gather_kernel(x_ptr, stride, V, t_ptr, cref_ptr, lim_ptr, coff_ptr, cx_ptr, cid_ptr, S, CAP,
-                       BINS: tl.constexpr, INV_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                       INV_W: tl.constexpr, CHUNK: tl.constexpr):
         """Writes the chunk's candidates after those of the chunks before it (id order)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = row * S + c
         lim = tl.load(lim_ptr + k)
         if lim >= 0:
-            xrow = x_ptr + row * stride
-            offs = tl.arange(0, BLOCK)
-            scale = _scale(t_ptr, row, INV_W)
+            o = c * CHUNK + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
             # bin <= lim  <=>  floor(x * scale) >= ref - lim  <=>  x * scale >= ref - lim
             thr = tl.load(cref_ptr + k) - lim.to(tl.float32)
-            base = tl.load(coff_ptr + k)
-            for i in range(0, CHUNK, BLOCK):
-                o = c * CHUNK + i + offs
-                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
-                sel = x * scale >= thr
-                si = sel.to(tl.int32)
-                pos = base + tl.cumsum(si, axis=0) - 1
-                tl.store(cx_ptr + row * CAP + pos, x, mask=sel)
-                tl.store(cid_ptr + row * CAP + pos, o, mask=sel)
-                base += tl.sum(si, axis=0)
+            sel = x * _scale(t_ptr, row, INV_W) >= thr
+            pos = tl.load(coff_ptr + k) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(cx_ptr + row * CAP + pos, x, mask=sel)
+            tl.store(cid_ptr + row * CAP + pos, o, mask=sel)
 
 
 def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -236,7 +230,7 @@ def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     cfin = torch.empty(r, s, dtype=torch.int32, device=dev)
     cnt = torch.empty(r, s, BINS, dtype=torch.int32, device=dev)
     _chunk_histogram_kernel[grid](x, x.stride(0), v, t, cmax, cref, cz, cfin, cnt, s, BINS=BINS, INV_W=inv_w,
-                                  CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                  CHUNK=CHUNK, num_warps=NUM_WARPS)
     lim = torch.empty(r, s, dtype=torch.int32, device=dev)
     coff = torch.empty(r, s, dtype=torch.int32, device=dev)
     count = torch.empty(r, dtype=torch.int32, device=dev)
@@ -244,9 +238,9 @@ def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     row_fin = torch.empty(r, dtype=torch.int32, device=dev)
     full = torch.empty(r, dtype=torch.int32, device=dev)
     _choose_kernel[(r,)](t, top_k, top_p, min_p, cmax, cref, cz, cfin, cnt, lim, coff, count, row_z, row_fin,
-                         full, s, CAP, SLACK=MASS_SLACK, BINS=BINS, WIDTH=WIDTH, num_warps=1)
+                         full, s, CAP, SLACK=MASS_SLACK, BINS=BINS, WIDTH=WIDTH, G=CHOOSE_CHUNKS, num_warps=4)
     cx = torch.empty(r, CAP, dtype=torch.float32, device=dev)
     cid = torch.empty(r, CAP, dtype=torch.int32, device=dev)
-    _gather_kernel[grid](x, x.stride(0), v, t, cref, lim, coff, cx, cid, s, CAP, BINS=BINS, INV_W=inv_w, CHUNK=CHUNK,
-                         BLOCK=GATHER_BLOCK, num_warps=4)
+    _gather_kernel[grid](x, x.stride(0), v, t, cref, lim, coff, cx, cid, s, CAP, INV_W=inv_w, CHUNK=CHUNK,
+                         num_warps=NUM_WARPS)
     return Candidates(cx, cid, count, row_z, row_fin, full)
