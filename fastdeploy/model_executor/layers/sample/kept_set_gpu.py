@@ -75,6 +75,9 @@ BLOCK = 512  # logits per loop step of the row kernel
 NUM_WARPS = 8
 NUM_STAGES = 3  # software pipelining depth of the row loops (Triton's CUDA default)
 MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
+# Launch shape of the row kernel over a prefilter's candidates (rows of at most its CAP).
+COMPACT_BLOCK = 512
+COMPACT_WARPS = 8
 # Rows at most this many times the prefilter's candidate cap go straight to the row kernel.
 PREFILTER_MIN_SHRINK = 2
 
@@ -569,8 +572,9 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     pf = prefilter_module.prefilter(x, *params)
     out.candidates = pf
     full = pf.full_row
+    short = {**settings, "BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS}
     _kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.row_z, pf.row_finite,
-                           pf.ids, v, COMPACT=True, **settings)
+                           pf.ids, v, COMPACT=True, **short)
     _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.row_z, pf.row_finite,
                            pf.ids, v, COMPACT=False, **settings)
     return out

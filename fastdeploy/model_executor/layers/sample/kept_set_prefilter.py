@@ -44,6 +44,7 @@ CAP = 16384  # candidates per row the row kernel reads; rows with more use their
 CHUNK = 4096  # logits per program of the chunk passes (held in registers: one read each)
 NUM_WARPS = 8  # of the chunk passes
 CHOOSE_CHUNKS = 16  # chunks per [chunks, BINS] tile of the choice
+GATHER_BLOCK = 512  # logits per step of the gather (one scan each)
 MASS_SLACK = 1e-9  # relative margin on the float64 mass bounds when choosing J for top-p
 # Prefilter only batches at least this large (below it the row kernel alone is as fast).
 MIN_ROWS = 8
@@ -198,21 +199,26 @@ if triton is not None:
 
     @triton.jit
     def _gather_kernel(x_ptr, stride, V, t_ptr, cref_ptr, lim_ptr, coff_ptr, cx_ptr, cid_ptr, S, CAP,
-                       INV_W: tl.constexpr, CHUNK: tl.constexpr):
+                       INV_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Writes the chunk's candidates after those of the chunks before it (id order)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = row * S + c
         lim = tl.load(lim_ptr + k)
         if lim >= 0:
-            o = c * CHUNK + tl.arange(0, CHUNK)
-            x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
             # bin <= lim  <=>  floor(x * scale) >= ref - lim  <=>  x * scale >= ref - lim
             thr = tl.load(cref_ptr + k) - lim.to(tl.float32)
-            sel = x * _scale(t_ptr, row, INV_W) >= thr
-            pos = tl.load(coff_ptr + k) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(cx_ptr + row * CAP + pos, x, mask=sel)
-            tl.store(cid_ptr + row * CAP + pos, o, mask=sel)
+            scale = _scale(t_ptr, row, INV_W)
+            base = tl.load(coff_ptr + k)
+            for i in range(0, CHUNK, BLOCK):
+                o = c * CHUNK + i + tl.arange(0, BLOCK)
+                x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
+                sel = x * scale >= thr
+                si = sel.to(tl.int32)
+                pos = base + tl.cumsum(si, axis=0) - 1
+                tl.store(cx_ptr + row * CAP + pos, x, mask=sel)
+                tl.store(cid_ptr + row * CAP + pos, o, mask=sel)
+                base += tl.sum(si, axis=0)
 
 
 def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -242,5 +248,5 @@ def prefilter(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     cx = torch.empty(r, CAP, dtype=torch.float32, device=dev)
     cid = torch.empty(r, CAP, dtype=torch.int32, device=dev)
     _gather_kernel[grid](x, x.stride(0), v, t, cref, lim, coff, cx, cid, s, CAP, INV_W=inv_w, CHUNK=CHUNK,
-                         num_warps=NUM_WARPS)
+                         BLOCK=min(GATHER_BLOCK, CHUNK), num_warps=4)
     return Candidates(cx, cid, count, row_z, row_fin, full)
