@@ -76,8 +76,8 @@ NUM_WARPS = 8
 NUM_STAGES = 3  # software pipelining depth of the row loops (Triton's CUDA default)
 MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
 # Launch shape of the row kernel over a prefilter's candidates (rows of at most its CAP).
-COMPACT_BLOCK = 512
-COMPACT_WARPS = 8
+COMPACT_BLOCK = 256
+COMPACT_WARPS = 4
 # Rows at most this many times the prefilter's candidate cap go straight to the row kernel.
 PREFILTER_MIN_SHRINK = 2
 

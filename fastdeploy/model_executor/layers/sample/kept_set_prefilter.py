@@ -41,8 +41,8 @@ except Exception:  # noqa: BLE001 - any import failure means no kernel
 BINS = 128  # histogram bins per chunk: the last one holds the logits below (BINS - 1) * WIDTH * T
 WIDTH = 0.25  # bin width in units of the temperature
 CAP = 16384  # candidates per row the row kernel reads; rows with more use their full row
-CHUNK = 4096  # logits per program of the chunk passes (held in registers: one read each)
-NUM_WARPS = 8  # of the chunk passes
+CHUNK = 2048  # logits per program of the chunk passes (held in registers: one read each)
+NUM_WARPS = 4  # of the chunk passes
 CHOOSE_CHUNKS = 16  # chunks per [chunks, BINS] tile of the choice
 GATHER_BLOCK = 512  # logits per step of the gather (one scan each)
 MASS_SLACK = 1e-9  # relative margin on the float64 mass bounds when choosing J for top-p
