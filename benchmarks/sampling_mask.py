@@ -6,9 +6,9 @@
 Kernel: for B in {1, 32, 256} x V in {49152, 151936}, the kept set of every row with
 its CSR compaction and the copy of offsets / ids / logZ to the host, by
 
-* "fast": CUDA: `kept_set_gpu.kept_set_csr` (one Triton program per row finds the
-  kept prefix, a second kernel writes the CSR ids); CPU: the windowed partial sort of
-  `truncation.py`, then CSR by a nonzero;
+* "fast": CUDA: `kept_set_gpu.kept_set_csr` (a candidate prefilter over many programs
+  per row, one Triton program per row finds the kept prefix, a compaction writes the CSR
+  ids); CPU: the windowed partial sort of `truncation.py`, then CSR by a nonzero;
 * "full sort": `reference.kept_set_full_sort` (stable sort of every row, float64
   running sum), then CSR by a nonzero;
 
@@ -17,7 +17,8 @@ its CSR compaction and the copy of offsets / ids / logZ to the host, by
 next to the memory floor: reading the B x V float32 logits once (B·V·4 bytes) at the
 device bandwidth measured here (a large copy, bytes read + written). Logits are
 N(0, 4^2) ("peaked": top_p = 0.95 keeps a few hundred tokens) or N(0, 1) ("flat":
-tens of thousands). Wall ms per call, synchronised, median.
+tens of thousands). Wall ms per call, synchronised, median; on CUDA also the device's busy
+time per call (kernels and copies, from the profiler), which leaves out the host's latency.
 
 End to end: decode throughput of one engine started with --enable-keep-sampling-mask,
 alternating runs whose requests ask for the mask and runs whose requests opt out
@@ -79,6 +80,23 @@ def median_ms(fn, device: torch.device, reps: int, budget_s: float) -> float:
     return statistics.median(times)
 
 
+def device_busy_ms(fn, device: torch.device, reps: int = 5) -> float | None:
+    """Mean ms per call the device spends in kernels and copies (torch profiler, self device
+    time, so nested ops are not counted twice): the call's cost without the host's latency.
+    None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+
+
 def bandwidth_gbs(device: torch.device) -> float:
     """Device memory bandwidth from a 1 GiB (CPU: 256 MiB) copy: (read + written) / time."""
     n = (1 << 28) if device.type == "cuda" else (1 << 26)
@@ -134,12 +152,16 @@ def kernel_grid(device: torch.device, reps: int, budget_s: float) -> list[dict]:
                 logz_err = float((gl.double() - wl.double()).abs().max())
                 kept = float(go.diff().float().mean())
                 fast_ms = median_ms(fast, device, reps, budget_s)
+                fast_dev, full_dev = device_busy_ms(fast, device), device_busy_ms(full, device)
                 full_ms = median_ms(full, device, reps, budget_s)
                 floor_ms = b * v * 4 / (bw * 1e9) * 1e3
                 rows.append(dict(config=name, batch=b, vocab=v, fast_ms=fast_ms, full_sort_ms=full_ms,
                                  speedup=full_ms / fast_ms, floor_ms=floor_ms, kept_per_row=kept,
-                                 masks_equal=same, max_logz_diff=logz_err))
-                print(f"{name:<20} B={b:<4} V={v:<7} fast {fast_ms:9.3f} ms  full sort {full_ms:9.3f} ms  "
+                                 masks_equal=same, max_logz_diff=logz_err, fast_device_ms=fast_dev,
+                                 full_sort_device_ms=full_dev,
+                                 device_speedup=full_dev / fast_dev if fast_dev else None))
+                busy = f"  device {fast_dev:.3f} / {full_dev:.3f} ms" if fast_dev else ""
+                print(f"{name:<20} B={b:<4} V={v:<7} fast {fast_ms:9.3f} ms  full sort {full_ms:9.3f} ms{busy}  "
                       f"x{full_ms / fast_ms:6.1f}  floor {floor_ms:.4f} ms  kept/row {kept:9.1f}  "
                       f"{'same' if same else 'MASKS DIFFER'}  dlogz {logz_err:.1e}", flush=True)
     for r in rows:
@@ -265,7 +287,8 @@ def main() -> None:
     print_machine(info)
     kernel = [] if args.skip_kernel else kernel_grid(device, args.reps, args.budget_s)
     if kernel:
-        print_table(kernel, ["config", "batch", "vocab", "fast_ms", "full_sort_ms", "speedup", "floor_ms",
+        print_table(kernel, ["config", "batch", "vocab", "fast_ms", "full_sort_ms", "speedup", "fast_device_ms",
+                             "full_sort_device_ms", "device_speedup", "floor_ms",
                              "kept_per_row", "masks_equal"])
     e2e_rows = [] if args.skip_e2e else e2e(args, args.device)
     if e2e_rows:
