@@ -117,7 +117,7 @@ def interpreted_prefilter_case(rows: int, v: int, seed: int, cap: int) -> None:
     from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
 
     ksg.CANDIDATES = 64
-    pf.CAP, pf.CHUNK, pf.CHOOSE_CHUNKS, pf.MIN_ROWS = cap, 256, 4, 1
+    pf.CAP, pf.CHUNK, pf.CHOOSE_CHUNKS = cap, 256, 4
     rng = np.random.default_rng(seed)
     x, t, k, p, mp = _random_rows(rng, rows, v, flat_share=0.3)
     cand = pf.prefilter(x, t, k, p, mp)

@@ -35,9 +35,9 @@ ends; a row still unsettled after ``MAX_PASSES`` (no realistic input: the float3
 mass bound would have to stall on more than CANDIDATES logits) is flagged and keeps
 a superset, which the CSR path (`kept_set_csr`) redoes by the full sort.
 
-For batches of at least `kept_set_prefilter.MIN_ROWS` rows over a vocabulary above
-``CAP * PREFILTER_MIN_SHRINK``, `kept_set_prefilter.prefilter` first cuts each row to its
-candidates (many programs per row); the row kernel then reads those (``COMPACT``), with the
+Over a vocabulary above ``CAP * PREFILTER_MIN_SHRINK``, `kept_set_prefilter.prefilter` first
+cuts each row to its candidates (many programs per row); the row kernel then reads those
+(``COMPACT``), with the
 whole row's normaliser and finite count, and rows left with too many candidates keep the
 full-row kernel.
 
@@ -562,7 +562,7 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     results = (cand, out.value, out.last_id, out.count, out.logz, out.failed)
     settings = {"C": CANDIDATES, "P": PIVOTS, "DELTA": MASS_DELTA, "SPAN": SPAN, "VALUE_PASSES": VALUE_PASSES,
                 "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
-    if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK or r < prefilter_module.MIN_ROWS:
+    if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK:
         run_all = torch.zeros(r, dtype=torch.int32, device=dev)
         _kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz, run_all, run_all, v,
                                COMPACT=False, **settings)

@@ -46,8 +46,6 @@ NUM_WARPS = 4  # of the chunk passes
 CHOOSE_CHUNKS = 16  # chunks per [chunks, BINS] tile of the choice
 GATHER_BLOCK = 512  # logits per step of the gather (one scan each)
 MASS_SLACK = 1e-9  # relative margin on the float64 mass bounds when choosing J for top-p
-# Prefilter only batches at least this large (below it the row kernel alone is as fast).
-MIN_ROWS = 8
 
 
 @dataclass
