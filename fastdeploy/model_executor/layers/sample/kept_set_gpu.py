@@ -37,9 +37,8 @@ a superset, which the CSR path (`kept_set_csr`) redoes by the full sort.
 
 Over a vocabulary above ``CAP * PREFILTER_MIN_SHRINK``, `kept_set_prefilter.prefilter` first
 cuts each row to its candidates (many programs per row); the row kernel then reads those
-(``COMPACT``), with the
-whole row's normaliser and finite count, and rows left with too many candidates keep the
-full-row kernel.
+(``COMPACT``), with the whole row's normaliser and finite count, and rows left with too many
+candidates keep the full-row kernel.
 
 From the boundary, `_compact_kernel` writes the CSR ids straight from the logits, or from a
 cut row's candidates (no dense mask), after one exclusive cumsum of the counts and one small
