@@ -266,6 +266,38 @@ def interpreted_unsettled_rows_are_marked_then_settled() -> None:
         assert int(settled[r]) in set(ref.ids.tolist())
 
 
+def interpreted_sampler_masks_from_candidates() -> None:
+    """The sampler's CUDA mask path with the prefilter on: rows it cut are compacted from
+    their candidates, flat and greedy rows from their logits, rows opting out stay empty;
+    every mask and token equal the CPU path's."""
+    from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
+
+    pf.CAP, pf.CHUNK, pf.CHOOSE_CHUNKS = 256, 256, 4
+    b, v = 8, 1500
+    x, t, k, p, mp = _plain_rows(7, b, v)
+    x[1] *= 0.1  # flat: past the candidate cap, searched on its full row
+    t[2] = 0.0  # greedy
+    asked = [True] * b
+    asked[3] = False
+
+    def sample():
+        gens = [torch.Generator().manual_seed(200 + r) for r in range(b)]
+        meta = make_meta(b, temperature=t.tolist(), top_k=k.tolist(), top_p=p.tolist(), min_p=mp.tolist(),
+                         generators=gens, return_sampling_mask=asked)
+        return Sampler()(x.clone(), meta, settle_kept_sets=True)
+
+    ksg.uses_fast_path = lambda device: True
+    cut = ksg.kept_bounds(x[t > 0], t[t > 0], k[t > 0], p[t > 0], mp[t > 0]).candidates.full_row
+    assert (cut == 0).any() and (cut == 1).any(), cut
+    fast = sample()
+    ksg.uses_fast_path = lambda device: False
+    cpu = sample()
+    assert torch.equal(fast.sampled_token_ids, cpu.sampled_token_ids)
+    for r in range(b):
+        assert csr_row(fast, r) == csr_row(cpu, r), f"row {r}"
+    assert csr_row(fast, 3) == [] and len(csr_row(fast, 2)) == 1
+
+
 def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
     """Through the engine on a small model: with the kernel starved, steps holding an unsettled
     row are sampled again with settled sets, and seeded requests get the tokens of the CPU path."""
@@ -325,6 +357,10 @@ def _in_interpreter(call: str) -> None:
 
 def test_unsettled_rows_are_marked_then_settled_interpreted():
     _in_interpreter("interpreted_unsettled_rows_are_marked_then_settled()")
+
+
+def test_sampler_masks_from_candidates_interpreted():
+    _in_interpreter("interpreted_sampler_masks_from_candidates()")
 
 
 def test_engine_redraws_unsettled_rows_interpreted(tmp_path):

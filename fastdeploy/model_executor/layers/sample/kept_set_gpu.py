@@ -500,22 +500,23 @@ if triton is not None:
         tl.store(mask_ptr + row * V + o, keep.to(tl.int8), mask=o < V)
 
     @triton.jit
-    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, cx_ptr, cid_ptr, CAP, n_ptr, full_ptr,
+    def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, cx_ptr, cid_ptr, CAP, n_ptr, src_ptr,
                         CANDIDATE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """Writes the kept ids of each row, ascending, at ids[offsets[row]:]. With
-        CANDIDATE_ROWS, rows the prefilter cut (full == 0) are read from their candidates
-        (in id order) instead of their logits."""
+        CANDIDATE_ROWS, a row with src[row] >= 0 is read from that row of a prefilter's
+        candidates (in id order) instead of its logits."""
         row = tl.program_id(0).to(tl.int64)
         bv = tl.load(bv_ptr + row)
         bid = tl.load(bid_ptr + row)
         base = tl.load(off_ptr + row).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        if CANDIDATE_ROWS and tl.load(full_ptr + row) == 0:
-            n = tl.load(n_ptr + row)
+        src = tl.load(src_ptr + row).to(tl.int64) if CANDIDATE_ROWS else -1
+        if src >= 0:
+            n = tl.load(n_ptr + src)
             for i in range(0, n, BLOCK):
                 q = i + offs
-                x = tl.load(cx_ptr + row * CAP + q, mask=q < n, other=float("-inf"))
-                o = tl.load(cid_ptr + row * CAP + q, mask=q < n, other=0)
+                x = tl.load(cx_ptr + src * CAP + q, mask=q < n, other=float("-inf"))
+                o = tl.load(cid_ptr + src * CAP + q, mask=q < n, other=0)
                 keep = _keep(x, o, bv, bid) & (q < n)
                 ki = keep.to(tl.int32)
                 pos = base + tl.cumsum(ki, axis=0) - 1
@@ -626,17 +627,32 @@ def _total_and_flagged(offsets: torch.Tensor, failed: torch.Tensor) -> tuple[int
     return total, flagged
 
 
-def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """int32 [total] kept ids of every row, ascending, at ``offsets`` (one launch)."""
+def candidate_rows(pf: prefilter_module.Candidates) -> torch.Tensor:
+    """int32 [R]: each row's own candidate row, or -1 where it was searched on its full row."""
+    rows = torch.arange(pf.full_row.shape[0], dtype=torch.int32, device=pf.full_row.device)
+    return torch.where(pf.full_row == 0, rows, -1)
+
+
+def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int,
+            candidates: tuple[prefilter_module.Candidates, torch.Tensor] | None = None) -> torch.Tensor:
+    """int32 [total] kept ids of every row, ascending, at ``offsets`` (one launch).
+
+    candidates: a prefilter's rows and, per row of ``proc``, the candidate row to read
+    (-1: its logits); by default ``b.candidates`` row for row."""
     x = proc if proc.stride(1) == 1 else proc.contiguous()
     r, v = x.shape
     ids = torch.empty(total, dtype=torch.int32, device=x.device)
     if not (r and total):
         return ids
-    pf = b.candidates
-    cands = (pf.x, pf.ids, pf.x.shape[1], pf.count, pf.full_row) if pf is not None else (x, offsets, 0, offsets, offsets)
-    _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, *cands, CANDIDATE_ROWS=pf is not None,
-                          BLOCK=2 * BLOCK, num_warps=4)
+    if candidates is None and b.candidates is not None:
+        candidates = (b.candidates, candidate_rows(b.candidates))
+    if candidates is None:
+        args = (x, offsets, 0, offsets, offsets)
+    else:
+        pf, src = candidates
+        args = (pf.x, pf.ids, pf.x.shape[1], pf.count, src)
+    _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, *args,
+                          CANDIDATE_ROWS=candidates is not None, BLOCK=2 * BLOCK, num_warps=4)
     return ids
 
 
@@ -733,6 +749,13 @@ def fill_sampling_mask_dense(
         take_truncating()
         offsets = _offsets(counts)
         total = int(offsets[-1])
+    # Truncating rows the prefilter cut are compacted from their candidates, the rest from proc.
+    candidates = None
+    pf = kept.bounds.candidates if t_rows.numel() else None
+    if pf is not None:
+        src = torch.full((b,), -1, dtype=torch.int32, device=device)
+        src[t_rows] = torch.where(requested[t_rows], candidate_rows(pf), -1)
+        candidates = (pf, src)
     out.mask_offsets = offsets
-    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, total)
+    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, total, candidates)
     out.logz = logz
