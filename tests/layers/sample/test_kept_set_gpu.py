@@ -272,6 +272,7 @@ def interpreted_sampler_masks_from_candidates() -> None:
     every mask and token equal the CPU path's."""
     from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
 
+    ksg.CANDIDATES = 64
     pf.CAP, pf.CHUNK, pf.CHOOSE_CHUNKS = 256, 256, 4
     b, v = 8, 1500
     x, t, k, p, mp = _plain_rows(7, b, v)
