@@ -282,16 +282,12 @@ if triton is not None:
         whole row's normaliser and finite count)."""
         row = tl.program_id(0).to(tl.int64)
         if tl.load(skip_ptr + row) == 0:
-            if COMPACT:
-                _kept_set_row(row, x_ptr, stride, tl.load(n_ptr + row), t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.load(rz_ptr + row),
-                              tl.load(rf_ptr + row), ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN, VALUE_PASSES,
-                              MAX_PASSES, BLOCK)
-            else:
-                _kept_set_row(row, x_ptr, stride, V, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr,
-                              bv_ptr, bid_ptr, cnt_ptr, logz_ptr, fail_ptr, tl.zeros((), dtype=tl.float64),
-                              tl.zeros((), dtype=tl.int32), ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN,
-                              VALUE_PASSES, MAX_PASSES, BLOCK)
+            n = tl.load(n_ptr + row) if COMPACT else V
+            row_z = tl.load(rz_ptr + row) if COMPACT else tl.zeros((), dtype=tl.float64)
+            row_fin = tl.load(rf_ptr + row) if COMPACT else tl.zeros((), dtype=tl.int32)
+            _kept_set_row(row, x_ptr, stride, n, t_ptr, k_ptr, p_ptr, mp_ptr, cand_ptr, bv_ptr, bid_ptr, cnt_ptr,
+                          logz_ptr, fail_ptr, row_z, row_fin, ids_ptr, V_IDS, COMPACT, C, P, DELTA, SPAN,
+                          VALUE_PASSES, MAX_PASSES, BLOCK)
 
     @triton.jit
     def _kept_set_row(
@@ -517,21 +513,20 @@ if triton is not None:
                 q = i + offs
                 x = tl.load(cx_ptr + src * CAP + q, mask=q < n, other=float("-inf"))
                 o = tl.load(cid_ptr + src * CAP + q, mask=q < n, other=0)
-                keep = _keep(x, o, bv, bid) & (q < n)
-                ki = keep.to(tl.int32)
-                pos = base + tl.cumsum(ki, axis=0) - 1
-                tl.store(ids_ptr + pos, o, mask=keep)
-                base += tl.sum(ki, axis=0)
+                base = _write_kept(ids_ptr, base, x, o, q < n, bv, bid)
         else:
-            xrow = x_ptr + row * stride
             for i in range(0, V, BLOCK):
                 o = i + offs
-                x = tl.load(xrow + o, mask=o < V, other=float("-inf"))
-                keep = _keep(x, o, bv, bid) & (o < V)
-                ki = keep.to(tl.int32)
-                pos = base + tl.cumsum(ki, axis=0) - 1
-                tl.store(ids_ptr + pos, o, mask=keep)
-                base += tl.sum(ki, axis=0)
+                x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
+                base = _write_kept(ids_ptr, base, x, o, o < V, bv, bid)
+
+    @triton.jit
+    def _write_kept(ids_ptr, base, x, o, valid, bv, bid):
+        """Writes the ids o of the kept entries among (x, o) from ids[base:]; the next base."""
+        keep = _keep(x, o, bv, bid) & valid
+        ki = keep.to(tl.int32)
+        tl.store(ids_ptr + base + tl.cumsum(ki, axis=0) - 1, o, mask=keep)
+        return base + tl.sum(ki, axis=0)
 
 
 # ---------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ if triton is not None:
 
     @triton.jit
     def _cell(x, scale):
-        """floor(x * scale): the same float32 product and floor in every kernel, so the
-        histogram and the gather agree on every logit's bin."""
+        """floor(x * scale), float32. The gather tests ``x * scale >= ref - lim`` on the same
+        product, which for an integer bound is the same as this cell's bin being <= lim."""
         return tl.floor(x * scale)
 
     @triton.jit
