@@ -9,6 +9,12 @@
 // the largest frame the shapes allow (every slot accepted), synchronises once and
 // returns the first meta-determined `total` bytes.
 //
+// pack_step_slots_split returns once the frame's head (everything but the mask ids) is on
+// the host, with the mask ids still being written behind it on the same stream: the
+// engine can schedule the next step from the tokens while the bulk of a masked frame
+// crosses PCIe. The caller records an event on the stream and waits on it before it
+// reads the mask ids.
+//
 // pack_step_slots_staged is the alternative measured in benchmarks/output_packing.py:
 // the frame is built in device memory, a 64-byte header is read back to learn the size,
 // then one copy of exactly the frame crosses PCIe (two transfers, two synchronisations).
@@ -17,6 +23,7 @@
 // mask row ranges to [0, M_in] (the CPU op rejects both); rows that overlap so much
 // that they hold more than M_in ids are reported through the header and raise.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CachingHostAllocator.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/block/block_scan.cuh>
@@ -37,8 +44,12 @@ constexpr int kGatherThreads = 256;
     TORCH_CHECK(err_ == cudaSuccess, #expr " failed: ", cudaGetErrorString(err_)); \
   } while (0)
 
+// Which parts of the frame a gather launch writes.
+enum PackPart : int { kHead = 1, kMaskIds = 2, kWholeFrame = kHead | kMaskIds };
+
 struct PackParams {
   int64_t message_id, flag_word, batch, slots, width, lp_stride, num_in_ids;
+  int part;  // PackPart
   bool has_lp, has_mask;
   const int64_t* seq_ids;
   const int32_t* counts;
@@ -130,6 +141,17 @@ __device__ __forceinline__ void pad_int32(uint8_t* dest, int64_t offset, int64_t
   if (count & 1) reinterpret_cast<int32_t*>(dest + offset)[count] = 0;
 }
 
+// The accepted row holding output id j (0 <= j < out_off[n]): the last i with out_off[i] <= j.
+// Empty rows share their offset with the next row, so the last such i is the non-empty one.
+__device__ __forceinline__ int64_t row_of(const int32_t* out_off, int64_t n, int64_t j) {
+  int64_t lo = 0, hi = n;  // out_off[lo] <= j < out_off[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (out_off[mid] <= j) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 __global__ void __launch_bounds__(kGatherThreads) gather_kernel(PackParams p) {
   const int64_t n = p.totals[0], m = p.totals[1];
   if (m < 0) return;
@@ -137,6 +159,19 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(PackParams p) {
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint8_t* d = p.dest;
+  if (p.has_mask && (p.part & kMaskIds)) {
+    // One thread per output id, consecutive threads on consecutive ids, so every warp
+    // writes whole 128-byte lines: rows run from empty (null) to 100k+ ids, and a warp
+    // per row left a batch of 256 long rows to 8 warps (2.8 GB/s into pinned memory).
+    int32_t* out = reinterpret_cast<int32_t*>(d + l.mask_ids);
+    for (int64_t j = tid; j < m; j += stride) {
+      const int64_t i = row_of(p.out_off, n, j);
+      int64_t start, end;
+      mask_row_range(p, p.row_src[i], start, end);
+      out[j] = p.in_ids[start + (j - p.out_off[i])];
+    }
+  }
+  if (!(p.part & kHead)) return;
 
   for (int64_t b = tid; b < p.batch; b += stride) {
     reinterpret_cast<int64_t*>(d + l.seq_ids)[b] = p.seq_ids[b];
@@ -158,14 +193,6 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(PackParams p) {
   }
   if (p.has_mask) {
     for (int64_t i = tid; i <= n; i += stride) reinterpret_cast<int32_t*>(d + l.mask_offsets)[i] = p.out_off[i];
-    // One warp per accepted row: rows range from empty (null) to thousands of ids.
-    const int64_t lane = threadIdx.x & 31, warp = tid >> 5, num_warps = stride >> 5;
-    for (int64_t i = warp; i < n; i += num_warps) {
-      int64_t start, end;
-      mask_row_range(p, p.row_src[i], start, end);
-      int32_t* out = reinterpret_cast<int32_t*>(d + l.mask_ids) + p.out_off[i];
-      for (int64_t j = start + lane; j < end; j += 32) out[j - start] = p.in_ids[j];
-    }
   }
   if (tid == 0) {
     pad_int32(d, l.num_tokens, p.batch);
@@ -178,8 +205,15 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(PackParams p) {
   }
 }
 
-// Launches the scan and the gather on `stream`, writing the frame to `dest`.
-void launch_pack(const SlotArgs& a, uint8_t* dest, const at::Tensor& workspace, cudaStream_t stream) {
+int gather_blocks(int64_t work) {
+  return static_cast<int>(std::clamp<int64_t>((work + kGatherThreads - 1) / kGatherThreads, 1, 1024));
+}
+
+// Launches the scan and the gather on `stream`, writing the frame to `dest`. With
+// `head_event`, the head and the mask ids are two launches with the event recorded
+// between them; otherwise one launch writes the whole frame.
+void launch_pack(const SlotArgs& a, uint8_t* dest, const at::Tensor& workspace, cudaStream_t stream,
+                 cudaEvent_t head_event = nullptr) {
   PackParams p;
   p.message_id = a.message_id;
   p.flag_word = a.flag_word;
@@ -208,9 +242,19 @@ void launch_pack(const SlotArgs& a, uint8_t* dest, const at::Tensor& workspace, 
 
   scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
   FD_CUDA_CHECK(cudaGetLastError());
-  const int64_t work = std::max<int64_t>(rows * p.width, 1);
-  const int blocks = static_cast<int>(std::min<int64_t>((work + kGatherThreads - 1) / kGatherThreads, 1024));
-  gather_kernel<<<std::max(blocks, 1), kGatherThreads, 0, stream>>>(p);
+  if (head_event == nullptr) {
+    p.part = kWholeFrame;
+    gather_kernel<<<gather_blocks(std::max(rows * p.width, p.num_in_ids)), kGatherThreads, 0, stream>>>(p);
+    FD_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  p.part = kHead;
+  gather_kernel<<<gather_blocks(rows * p.width), kGatherThreads, 0, stream>>>(p);
+  FD_CUDA_CHECK(cudaGetLastError());
+  FD_CUDA_CHECK(cudaEventRecord(head_event, stream));
+  if (!p.has_mask) return;
+  p.part = kMaskIds;
+  gather_kernel<<<gather_blocks(p.num_in_ids), kGatherThreads, 0, stream>>>(p);
   FD_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -251,6 +295,35 @@ at::Tensor pack_step_slots_cuda(int64_t message_id, const at::Tensor& seq_ids, c
   return host.narrow(0, 0, frame_size(a, static_cast<const int64_t*>(host.data_ptr())));
 }
 
+at::Tensor pack_step_slots_split_cuda(int64_t message_id, const at::Tensor& seq_ids, const at::Tensor& accept_counts,
+                                      const at::Tensor& token_ids, int64_t num_logprobs,
+                                      const c10::optional<at::Tensor>& lp_ids,
+                                      const c10::optional<at::Tensor>& lp_values,
+                                      const c10::optional<at::Tensor>& ranks,
+                                      const c10::optional<at::Tensor>& mask_offsets,
+                                      const c10::optional<at::Tensor>& mask_ids,
+                                      const c10::optional<at::Tensor>& logz) {
+  const SlotArgs a = prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
+                                       lp_values, ranks, mask_offsets, mask_ids, logz);
+  const c10::cuda::CUDAGuard guard(token_ids.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor host = pinned_bytes(largest_frame(a));
+  void* mapped = nullptr;
+  FD_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host.data_ptr(), 0));
+  const at::Tensor workspace = workspace_for(a);
+  cudaEvent_t head = nullptr;
+  FD_CUDA_CHECK(cudaEventCreateWithFlags(&head, cudaEventDisableTiming));
+  launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head);
+  // The pinned pool must not hand this block out again before the mask-id kernel is done
+  // with it, even if the caller drops the frame without waiting.
+  at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
+                                                at::cuda::getCurrentCUDAStream().unwrap());
+  const cudaError_t waited = cudaEventSynchronize(head);
+  FD_CUDA_CHECK(cudaEventDestroy(head));
+  FD_CUDA_CHECK(waited);
+  return host.narrow(0, 0, frame_size(a, static_cast<const int64_t*>(host.data_ptr())));
+}
+
 at::Tensor pack_step_slots_staged_cuda(int64_t message_id, const at::Tensor& seq_ids,
                                        const at::Tensor& accept_counts, const at::Tensor& token_ids,
                                        int64_t num_logprobs, const c10::optional<at::Tensor>& lp_ids,
@@ -284,11 +357,16 @@ TORCH_LIBRARY_FRAGMENT(fastdeploy_ops, m) {
       "pack_step_slots_staged(int message_id, Tensor seq_ids, Tensor accept_counts, Tensor token_ids, "
       "int num_logprobs, Tensor? lp_ids, Tensor? lp_values, Tensor? ranks, Tensor? mask_offsets, "
       "Tensor? mask_ids, Tensor? logz) -> Tensor");
+  m.def(
+      "pack_step_slots_split(int message_id, Tensor seq_ids, Tensor accept_counts, Tensor token_ids, "
+      "int num_logprobs, Tensor? lp_ids, Tensor? lp_values, Tensor? ranks, Tensor? mask_offsets, "
+      "Tensor? mask_ids, Tensor? logz) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdeploy_ops, CUDA, m) {
   m.impl("pack_step_slots", &pack_step_slots_cuda);
   m.impl("pack_step_slots_staged", &pack_step_slots_staged_cuda);
+  m.impl("pack_step_slots_split", &pack_step_slots_split_cuda);
 }
 
 }  // namespace fastdeploy_ops

@@ -1,4 +1,11 @@
-"""The step loop: schedule → execute → process outputs → release finished sequences."""
+"""The step loop: schedule → execute → process outputs → release finished sequences.
+
+A step whose frame comes back with its mask ids still crossing PCIe (CUDA, in process) has
+its tokens applied at once, so the next step is scheduled from them, while the deltas that
+carry masks are returned by the next `step()` call: by then the ids have landed, having
+crossed while the host scheduled and launched that step. No delta of a request overtakes
+another of the same request.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,16 @@ from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.spec_decode.stats import SpecDecodeStats
 from fastdeploy.worker.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
+from fastdeploy.worker.step_output import StepOutput
+
+
+@dataclasses.dataclass
+class DeferredDeltas:
+    """Masked deltas of a step whose mask ids were still on their way; `output` keeps the frame
+    they view alive until they are handed out."""
+
+    output: StepOutput
+    deltas: list[RequestDelta]
 
 
 class EngineCore:
@@ -43,6 +60,7 @@ class EngineCore:
         self._freed: list[int] = []
         self._grammar_requests: list[GrammarRequest] = []
         self._registered: set[int] = set()  # sequences whose NewSequence the worker has
+        self._deferred: DeferredDeltas | None = None
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ParameterError for a request that must be refused before it is queued."""
@@ -72,10 +90,13 @@ class EngineCore:
                 self._release(seq)
                 deltas.append(RequestDelta(request_id, [], finish_reason="abort",
                                            num_prompt_tokens=len(seq.prompt_token_ids)))
+        if self._deferred is not None:
+            aborted = set(request_ids)
+            self._deferred.deltas = [d for d in self._deferred.deltas if d.request_id not in aborted]
         return deltas
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._deferred is not None
 
     @property
     def num_running(self) -> int:
@@ -108,24 +129,42 @@ class EngineCore:
             chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
                                      list(seq.block_ids), chunk.samples, chunk.num_lookahead))
         if not chunks and not self._grammar_requests and not self.waiting_for_grammar:
-            return []
+            return self._take_deferred()
         step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests)
         self._freed = []
         self._grammar_requests = []
-        frame, events = self.executor.execute(step_input)
+        output = self.executor.execute(step_input)
+        # The previous step's mask ids were queued on the device before this step's work, so
+        # they are on the host by now: this wait costs nothing.
+        deltas = self._take_deferred()
         self.scheduler.on_step_done(plan)
-        deltas = self._apply_events(events)
+        events = output.events
+        deltas += self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
         self.spec_stats.add(events)
-        for seq, delta in self.token_processor.process(frame, self.sequences, terminated):
+        deferred = []
+        for seq, delta in self.token_processor.process(output.frame, self.sequences, terminated):
             if delta.finish_reason is not None:
                 self._release(seq)
             elif len(delta.token_ids) > 1:
                 # Accepted drafts already have their K/V in the cache (written while verifying);
                 # only the last accepted token is new.
                 seq.num_computed_tokens += len(delta.token_ids) - 1
-            deltas.append(delta)
+            if output.mask_ids_pending is not None and delta.sampling_mask is not None:
+                deferred.append(delta)
+            else:
+                deltas.append(delta)
+        if deferred:
+            self._deferred = DeferredDeltas(output, deferred)
         return deltas
+
+    def _take_deferred(self) -> list[RequestDelta]:
+        """The previous step's masked deltas, once their mask ids are on the host."""
+        if self._deferred is None:
+            return []
+        deferred, self._deferred = self._deferred, None
+        deferred.output.wait_mask_ids()
+        return deferred.deltas
 
     @property
     def waiting_for_grammar(self) -> bool:

@@ -13,16 +13,16 @@ import zmq
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
-from fastdeploy.output.step_frame import FrameBuffer
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
+from fastdeploy.worker.step_output import StepOutput
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
 
 
 class Executor(Protocol):
     info: WorkerInfo
 
-    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
+    def execute(self, step: StepInput) -> StepOutput:
         """Run one step; return its packed frame and its non-token events."""
 
     def shutdown(self) -> None: ...
@@ -38,7 +38,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, 0, tp_init_file(self._dir) if self._dir else None)
         self.info = self.runner.info
 
-    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
+    def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
@@ -82,12 +82,12 @@ class WorkerProcessExecutor:
         except (PeerDiedError, TimeoutError) as exc:
             raise WorkerError(f"worker process lost: {exc}") from exc
 
-    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
+    def execute(self, step: StepInput) -> StepOutput:
         self.sock.send_multipart([STEP, self._encoder.encode(step)])
         kind, *payload = self._recv(self.step_timeout_s)
         if kind != FRAME:
             raise WorkerError(f"worker step failed:\n{payload[0].decode()}")
-        return payload[0], self._events_decoder.decode(payload[1])
+        return StepOutput(payload[0], self._events_decoder.decode(payload[1]))
 
     def shutdown(self) -> None:
         if self.process.is_alive():

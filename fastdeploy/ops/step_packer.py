@@ -71,6 +71,15 @@ def pack_step_slots(slots: StepSlots) -> bytes:
     return pack_step_slots_tensor(slots).numpy().tobytes()
 
 
+def pack_step_slots_split(slots: StepSlots) -> torch.Tensor:
+    """CUDA: the frame as a pinned uint8 tensor, returned once all of it but the mask ids is on
+    the host; the mask ids are still being written by a kernel on the current stream. Record
+    an event on that stream right after the call and wait on it before reading them (the
+    pinned pool does not reuse the buffer before the kernel is done, even if it is dropped)."""
+    load_ops(cuda=True)
+    return torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots))
+
+
 def pack_step_slots_staged(slots: StepSlots) -> torch.Tensor:
     """CUDA alternative kept for comparison: device buffer, size read back, then one exact copy."""
     load_ops(cuda=True)

@@ -72,7 +72,7 @@ class CompletionOutput:
         if chunk.sampling_masks is not None:
             if self._mask_runs is None:
                 self._mask_runs = []
-            self._mask_runs.append(chunk.sampling_masks)
+            self._mask_runs.append(chunk.sampling_masks.owned())
             self._mask_lists = None
             self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
         if chunk.finish_reason is not None:

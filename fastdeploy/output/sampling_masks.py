@@ -2,8 +2,11 @@
 
 A token's kept set can hold thousands of vocabulary ids, and every generated token has one.
 Turning them into Python lists per step in the engine costs far more than computing them,
-so they travel as two little-endian int32 byte strings (msgpack carries each as one binary
-blob) and become lists only where a response is written.
+so they travel as two little-endian int32 byte buffers (msgpack carries each as one binary
+blob) and become lists only where a response is written. The buffers are memoryviews: a step's
+runs are views of the worker's frame, not copies of it, and a decoded message's runs are views
+of the message. Whoever keeps a run past the step (a whole response being accumulated) takes
+its own copy with `owned()`, so no frame stays alive for one request's sake.
 
 Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row means null
 (the whole vocabulary): a kept set is never empty, a greedy row holds its argmax.
@@ -18,12 +21,18 @@ import msgspec
 import numpy as np
 
 _I32 = np.dtype("<i4")
-_EMPTY_OFFSETS = np.zeros(1, dtype=_I32).tobytes()
+_EMPTY_OFFSETS = memoryview(np.zeros(1, dtype=_I32).tobytes())
+_NO_IDS = memoryview(b"")
+
+
+def _view(data: bytes | np.ndarray) -> memoryview:
+    """A flat byte view (format "B") of `data`, which it keeps alive."""
+    return memoryview(data).cast("B")
 
 
 class SamplingMasks(msgspec.Struct, array_like=True, frozen=True):
-    offsets: bytes = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
-    ids: bytes = b""  # int32 LE [offsets[n]], each row's ids sorted
+    offsets: memoryview = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
+    ids: memoryview = _NO_IDS  # int32 LE [offsets[n]], each row's ids sorted
 
     @classmethod
     def from_lists(cls, masks: Sequence[Sequence[int] | None]) -> SamplingMasks:
@@ -31,7 +40,11 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True):
         lengths = np.fromiter((0 if m is None else len(m) for m in masks), dtype=np.int64, count=len(masks))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(_I32)
         ids = [i for m in masks if m for i in m]
-        return cls(offsets.tobytes(), np.asarray(ids, dtype=_I32).tobytes())
+        return cls(_view(offsets.tobytes()), _view(np.asarray(ids, dtype=_I32).tobytes()))
+
+    def owned(self) -> SamplingMasks:
+        """The same rows in buffers of their own (one copy), holding no frame or message alive."""
+        return SamplingMasks(_view(bytes(self.offsets)), _view(bytes(self.ids)))
 
     def offsets_array(self) -> np.ndarray:
         return np.frombuffer(self.offsets, dtype=_I32)
@@ -80,26 +93,27 @@ def concat_masks(runs: Sequence[SamplingMasks]) -> SamplingMasks:
         offsets = run.offsets_array()
         parts.append(offsets[1:] + base)
         base += int(offsets[-1])
-    return SamplingMasks(np.concatenate(parts).astype(_I32, copy=False).tobytes(), b"".join(r.ids for r in runs))
+    return SamplingMasks(_view(np.concatenate(parts).astype(_I32, copy=False).tobytes()),
+                         _view(b"".join(r.ids for r in runs)))
 
 
 def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> list[SamplingMasks]:
     """A CSR (a frame's views; `offsets` need not start at 0) cut into consecutive runs of
     `counts[b]` rows, each rebased to its own start.
 
-    The offsets of every run are rebased in one numpy pass; then each run costs two bytes
-    slices (one copy of its ids), as a step carries the masks of hundreds of sequences."""
+    The offsets of every run are rebased in one numpy pass into one new table; each run's
+    ids are a view of `ids`, not a copy: a step at batch 256 can carry 100 MB of ids."""
     counts64 = np.asarray(counts, dtype=np.int64)
     starts = np.cumsum(counts64) - counts64  # first row of each run
     entries = counts64 + 1  # offsets entries per run
     first_entry = np.cumsum(entries) - entries
     rows = np.repeat(starts - first_entry, entries) + np.arange(int(entries.sum()), dtype=np.int64)
     offsets64 = offsets.astype(np.int64)
-    table = (offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32).tobytes()
-    id_bytes = memoryview(np.ascontiguousarray(ids, dtype=_I32)).cast("B")
+    table = _view((offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32))
+    id_bytes = _view(np.ascontiguousarray(ids, dtype=_I32))
     size = _I32.itemsize
     runs = []
     for entry, n, a, b in zip(first_entry.tolist(), counts64.tolist(), offsets64[starts].tolist(),
                               offsets64[starts + counts64].tolist()):
-        runs.append(SamplingMasks(table[entry * size:(entry + n + 1) * size], bytes(id_bytes[a * size:b * size])))
+        runs.append(SamplingMasks(table[entry * size:(entry + n + 1) * size], id_bytes[a * size:b * size]))
     return runs

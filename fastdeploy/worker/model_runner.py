@@ -30,7 +30,7 @@ from fastdeploy.model_executor.layers.sample.metadata import RowGroups, SamplerO
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
-from fastdeploy.ops.step_packer import pack_step_slots_tensor, unpack_step_frame_op
+from fastdeploy.ops.step_packer import pack_step_slots_split, pack_step_slots_tensor, unpack_step_frame_op
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
 from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
@@ -43,6 +43,7 @@ from fastdeploy.worker.device_inputs import upload, upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
 from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
+from fastdeploy.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ModelRunner:
             self.guided.on_prompt(new.seq_id, new.prompt_token_ids)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> tuple[FrameBuffer, WorkerEvents]:
+    def execute(self, step: StepInput) -> StepOutput:
         """Run one step; return its packed frame and its non-token events."""
         events = WorkerEvents()
         for seq_id in step.freed_seq_ids:
@@ -179,7 +180,7 @@ class ModelRunner:
             events.grammar_failed.extend([r.seq_id, "structured output is disabled on this server"]
                                          for r in step.grammar_requests)
         if not step.chunks:
-            return pack_step_frame(_empty_frame(step.message_id)), events
+            return StepOutput(pack_step_frame(_empty_frame(step.message_id)), events)
 
         drafts = self._propose_drafts(step.chunks)
         if drafts and self.guided is not None:
@@ -197,7 +198,7 @@ class ModelRunner:
         if not sampled_chunks:
             if self.mtp is not None:
                 self._mtp_step(chunks, hidden, {}, drafts)
-            return pack_step_frame(_empty_frame(step.message_id)), events
+            return StepOutput(pack_step_frame(_empty_frame(step.message_id)), events)
         # Everything up to the pack is queued on the device without waiting for it: the host
         # builds the sampler's inputs and fills the grammar bitmask while the GPU runs the model.
         logits = self.model.compute_logits(_rows(hidden, sample_rows, self.device)).float()
@@ -209,14 +210,23 @@ class ModelRunner:
         may_redraw = kept_set_gpu.uses_fast_path(self.device) and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
 
-        def sample_and_pack(settle: bool) -> tuple[torch.Tensor, StepFrame, list[int]]:
+        def sample_and_pack(settle: bool) -> tuple[torch.Tensor, StepFrame, list[int], torch.cuda.Event | None]:
             output = self.sampler(logits, metadata, settle_kept_sets=settle)
-            # The step's one synchronisation: the packer's copy of the frame to the host.
-            packed = pack_step_slots_tensor(_step_slots(step.message_id, seq_ids, slot_drafts, output))
+            slots = _step_slots(step.message_id, seq_ids, slot_drafts, output)
+            pending = None
+            if slots.has_mask and slots.token_ids.is_cuda:
+                # The head of the frame comes back first; the mask ids (most of a masked frame's
+                # bytes) keep crossing PCIe while the engine schedules the next step.
+                packed = pack_step_slots_split(slots)
+                pending = torch.cuda.Event()
+                pending.record()
+            else:
+                # The step's one synchronisation: the packer's copy of the frame to the host.
+                packed = pack_step_slots_tensor(slots)
             frame = unpack_step_frame_op(packed)
-            return packed, frame, frame.token_ids.tolist()
+            return packed, frame, frame.token_ids.tolist(), pending
 
-        packed, frame, tokens = sample_and_pack(settle=False)
+        packed, frame, tokens, pending = sample_and_pack(settle=False)
         if may_redraw and UNSETTLED_TOKEN in tokens:
             # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
             # the step again with every set settled, from the same seeded generator states,
@@ -224,7 +234,7 @@ class ModelRunner:
             for g, state in zip(metadata.generators, rng_states):
                 if g is not None:
                     g.set_state(state)
-            packed, frame, tokens = sample_and_pack(settle=True)
+            packed, frame, tokens, pending = sample_and_pack(settle=True)
         counts = frame.num_tokens.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts)]
@@ -234,6 +244,9 @@ class ModelRunner:
             # shortened on the host rather than packed again on the device.
             kept = self.guided.accept(seq_ids, runs, events)
             if kept != counts:
+                if pending is not None:
+                    pending.synchronize()
+                    pending = None
                 result = pack_step_frame(shorten_step_frame(frame, kept))
                 runs = [run[:n] for run, n in zip(runs, kept)]
                 counts = kept
@@ -245,7 +258,7 @@ class ModelRunner:
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, slot_drafts) if d)
         if self.mtp is not None:
             self._mtp_step(chunks, hidden, dict(zip(seq_ids, counts)), drafts)
-        return result, events
+        return StepOutput(result, events, pending)
 
     def follow(self) -> bool:
         """Ranks > 0: run the forward passes rank 0 plans, taking part in their collectives.

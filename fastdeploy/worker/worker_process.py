@@ -91,12 +91,13 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
             if kind == SHUTDOWN:
                 break
             try:
-                frame, events = runner.execute(decoder.decode(payload[0]))
+                output = runner.execute(decoder.decode(payload[0]))
+                output.wait_mask_ids()  # one message per step: the whole frame goes at once
             except Exception:
                 logger.exception("step failed")
                 sock.send_multipart([ERROR, traceback.format_exc().encode()])
                 continue
-            sock.send_multipart([FRAME, frame, encoder.encode(events)], copy=False)
+            sock.send_multipart([FRAME, output.frame, encoder.encode(output.events)], copy=False)
     finally:
         runner.shutdown()
         sock.close()

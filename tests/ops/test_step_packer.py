@@ -15,6 +15,7 @@ import torch
 
 from fastdeploy.ops.step_packer import (
     pack_step_slots,
+    pack_step_slots_split,
     pack_step_slots_staged,
     pack_step_slots_tensor,
     unpack_step_frame_op,
@@ -163,6 +164,16 @@ def test_cuda_ops_match_reference(batch, slots, k, top_k, mask):
     assert mapped.is_pinned()
     assert mapped.numpy().tobytes() == want
     assert pack_step_slots_staged(on_gpu).numpy().tobytes() == want
+    assert _split_frame(on_gpu) == want
+
+
+def _split_frame(slots: StepSlots) -> bytes:
+    """The split op's frame, read once the mask ids it leaves in flight have landed."""
+    frame = pack_step_slots_split(slots)
+    landed = torch.cuda.Event()
+    landed.record()
+    landed.synchronize()
+    return frame.numpy().tobytes()
 
 
 @pytest.mark.gpu
@@ -184,6 +195,17 @@ def test_cuda_op_writes_every_byte_of_a_reused_buffer():
 def test_cuda_many_ids_per_row():
     step = make_slots(37, batch=64, slots=5, k=5, top_k=8, mask=True, max_mask_row=5000)
     assert pack_step_slots(to_device(step, "cuda")) == pack_step_slots_reference(step)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_rows_of_a_near_flat_distribution():
+    # Top-p over near-uniform logits keeps most of a 152k vocabulary: a few long rows must
+    # be copied by the whole grid, not by one warp each.
+    step = make_slots(43, batch=24, slots=1, k=-1, top_k=None, mask=True, max_mask_row=150_000)
+    want = pack_step_slots_reference(step)
+    assert pack_step_slots(to_device(step, "cuda")) == want
+    assert _split_frame(to_device(step, "cuda")) == want
 
 
 @pytest.mark.gpu

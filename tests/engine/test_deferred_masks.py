@@ -1,0 +1,176 @@
+"""Masked deltas of a step whose mask ids are still crossing PCIe come out one `step()` later.
+
+On CUDA the worker returns a masked frame once its head is on the host; the engine applies the
+tokens at once and hands the masked deltas out with the next step. The CPU runner's frames are
+whole, so here an executor holds each masked frame's ids back the way the device does: they
+read as garbage until the step's completion is waited for. Every request must get the tokens,
+masks, logZ and finish reasons of the plain run, in order, and no delta after its abort. On an
+H100 the same comparison runs the CUDA path against one that waits for every frame at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config
+from transformers import Qwen2ForCausalLM as HFQwen2
+
+from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import InProcessExecutor
+from fastdeploy.engine.request import EngineRequest, RequestDelta
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.output.step_frame import unpack_step_frame
+from fastdeploy.worker.step_input import StepInput
+from fastdeploy.worker.step_output import StepOutput
+
+# 40,000 ids: above the GPU kept-set prefilter's threshold, so CUDA runs take that path too.
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2, vocab_size=40_000, max_position_embeddings=256, rope_theta=1e4,
+             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+# (sampling settings, max_tokens, wants the mask): finishing at different steps, one opted out.
+MIXES = [
+    ({"top_p": 0.9}, 7, True),
+    ({"top_k": 50, "temperature": 0.8}, 3, True),
+    ({"top_p": 0.95, "min_p": 0.01}, 5, False),
+    ({"temperature": 0.0}, 4, True),
+    ({"top_k": 400, "top_p": 0.8}, 9, True),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    hf = HFQwen2(Qwen2Config(**SMALL))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen2_40k")
+    hf.save_pretrained(path)
+    return str(path)
+
+
+class HeldBackIds:
+    """The completion of a frame whose mask ids read as -7 until it is waited for."""
+
+    def __init__(self, ids) -> None:
+        self.ids, self.saved = ids, ids.copy()
+        ids[:] = -7
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.ids[:] = self.saved
+        self.waited = True
+
+
+class HoldingBackExecutor(InProcessExecutor):
+    """The CPU runner, each masked frame returned with its ids still to come."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.completions: list[HeldBackIds] = []
+
+    def execute(self, step: StepInput) -> StepOutput:
+        output = super().execute(step)
+        frame = bytearray(output.frame)
+        ids = unpack_step_frame(frame).mask_ids
+        if ids is None or not len(ids):
+            return StepOutput(frame, output.events)
+        self.completions.append(HeldBackIds(ids))
+        return StepOutput(frame, output.events, self.completions[-1])
+
+
+class WaitingExecutor(InProcessExecutor):
+    """Every frame whole before the engine sees it: the engine defers nothing."""
+
+    def execute(self, step: StepInput) -> StepOutput:
+        output = super().execute(step)
+        output.wait_mask_ids()
+        return output
+
+
+def _config(model_dir: str, device: str) -> EngineConfig:
+    return EngineConfig(model=model_dir, device=device, dtype="float32", guided_decoding_backend="off",
+                        enable_keep_sampling_mask=True, cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64))
+
+
+def _run(core: EngineCore, abort_after: dict[str, int] | None = None) -> tuple[dict, list[list[RequestDelta]]]:
+    """Per request: tokens, mask lists, logZ, finish reason; and the deltas of every step() call.
+    `abort_after[r] = n` aborts request r once n of its tokens are out."""
+    for i, (mix, max_tokens, mask) in enumerate(MIXES):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=11 + i, return_sampling_mask=mask, **mix)
+        core.add_request(EngineRequest(f"r{i}", [3 + i, 17, 42, 5 * i + 1, 9], params, 0.0))
+    out = {f"r{i}": ([], [], [], None) for i in range(len(MIXES))}
+    calls = []
+    try:
+        while core.has_work():
+            deltas = core.step()
+            calls.append(deltas)
+            for d in deltas:
+                tokens, masks, logz, finish = out[d.request_id]
+                assert finish is None, f"{d.request_id}: a delta after its finish"
+                tokens += d.token_ids
+                if d.sampling_mask is not None:
+                    rows = d.sampling_mask.to_lists()
+                    assert len(rows) == len(d.token_ids) == len(d.logz)
+                    masks += rows
+                    logz += d.logz
+                if d.finish_reason is not None:
+                    out[d.request_id] = (tokens, masks, logz, d.finish_reason)
+                elif abort_after and len(tokens) >= abort_after.get(d.request_id, 1 << 30):
+                    assert core.abort([d.request_id])[0].finish_reason == "abort"
+                    out[d.request_id] = (tokens, masks, logz, "abort")
+    finally:
+        core.shutdown()
+    return out, calls
+
+
+def _assert_masks_hold_their_tokens(out: dict) -> None:
+    for i, (_, _, wants_mask) in enumerate(MIXES):
+        tokens, masks, logz, _ = out[f"r{i}"]
+        assert len(masks) == (len(tokens) if wants_mask else 0)
+        for token, row, z in zip(tokens, masks, logz):
+            assert row is not None and token in row and row == sorted(set(row)) and z <= 1e-6
+
+
+def _first_call(calls: list[list[RequestDelta]], request_id: str) -> int:
+    return next(k for k, deltas in enumerate(calls) if any(d.request_id == request_id for d in deltas))
+
+
+def test_deferred_masked_deltas_equal_the_plain_run(model_dir) -> None:
+    plain, plain_calls = _run(EngineCore(_config(model_dir, "cpu"), InProcessExecutor(_config(model_dir, "cpu"))))
+    executor = HoldingBackExecutor(_config(model_dir, "cpu"))
+    deferred, deferred_calls = _run(EngineCore(_config(model_dir, "cpu"), executor))
+    assert deferred == plain
+    _assert_masks_hold_their_tokens(plain)
+    assert executor.completions and all(c.waited for c in executor.completions)
+    # Masked deltas come one call later (the last ones from a call that runs no step); the
+    # opted-out request's do not wait.
+    assert _first_call(deferred_calls, "r0") == _first_call(plain_calls, "r0") + 1
+    assert _first_call(deferred_calls, "r2") == _first_call(plain_calls, "r2")
+    assert len(deferred_calls) == len(plain_calls) + 1
+
+
+def test_abort_drops_the_held_back_delta(model_dir) -> None:
+    plain, _ = _run(EngineCore(_config(model_dir, "cpu"), InProcessExecutor(_config(model_dir, "cpu"))),
+                    abort_after={"r0": 2, "r4": 3})
+    deferred, _ = _run(EngineCore(_config(model_dir, "cpu"), HoldingBackExecutor(_config(model_dir, "cpu"))),
+                       abort_after={"r0": 2, "r4": 3})
+    # The engine sees a request's masked tokens one call later, so an abort lands a step later
+    # and that step's batch differs: logZ may move in float32's last bits.
+    for request_id, (tokens, masks, logz, finish) in plain.items():
+        assert deferred[request_id][0::3] == (tokens, finish) and deferred[request_id][1] == masks
+        assert deferred[request_id][2] == pytest.approx(logz, abs=1e-5)
+    assert plain["r0"][3] == "abort" and len(plain["r0"][0]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_deferred_masks_equal_waiting_for_every_frame(model_dir) -> None:
+    config = _config(model_dir, "cuda")
+    waited, _ = _run(EngineCore(config, WaitingExecutor(config)))
+    deferred, calls = _run(EngineCore(config, InProcessExecutor(config)))
+    assert deferred == waited
+    _assert_masks_hold_their_tokens(deferred)
+    assert _first_call(calls, "r0") == _first_call(calls, "r2") + 1  # the CUDA path did defer
