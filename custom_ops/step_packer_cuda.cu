@@ -277,22 +277,40 @@ at::Tensor pinned_bytes(int64_t size) {
   return at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
 }
 
-at::Tensor pack_step_slots_cuda(int64_t message_id, const at::Tensor& seq_ids, const at::Tensor& accept_counts,
-                                const at::Tensor& token_ids, int64_t num_logprobs,
-                                const c10::optional<at::Tensor>& lp_ids, const c10::optional<at::Tensor>& lp_values,
-                                const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& mask_offsets,
-                                const c10::optional<at::Tensor>& mask_ids, const c10::optional<at::Tensor>& logz) {
-  const SlotArgs a = prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
-                                       lp_values, ranks, mask_offsets, mask_ids, logz);
-  const c10::cuda::CUDAGuard guard(token_ids.device());
+// The frame packed straight into pinned memory. `split`: return once the head is on the
+// host, with the mask-id kernel still writing behind it (pack_step_slots_split).
+at::Tensor pack_mapped(const SlotArgs& a, bool split) {
+  const c10::cuda::CUDAGuard guard(a.token_ids.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor host = pinned_bytes(largest_frame(a));
   void* mapped = nullptr;
   FD_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host.data_ptr(), 0));
   const at::Tensor workspace = workspace_for(a);
-  launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream);
-  FD_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (!split) {
+    launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream);
+    FD_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } else {
+    cudaEvent_t head = nullptr;
+    FD_CUDA_CHECK(cudaEventCreateWithFlags(&head, cudaEventDisableTiming));
+    launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head);
+    // The pinned pool must not hand this block out again before the mask-id kernel is done
+    // with it, even if the caller drops the frame without waiting.
+    at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
+                                                  at::cuda::getCurrentCUDAStream().unwrap());
+    const cudaError_t waited = cudaEventSynchronize(head);
+    FD_CUDA_CHECK(cudaEventDestroy(head));
+    FD_CUDA_CHECK(waited);
+  }
   return host.narrow(0, 0, frame_size(a, static_cast<const int64_t*>(host.data_ptr())));
+}
+
+at::Tensor pack_step_slots_cuda(int64_t message_id, const at::Tensor& seq_ids, const at::Tensor& accept_counts,
+                                const at::Tensor& token_ids, int64_t num_logprobs,
+                                const c10::optional<at::Tensor>& lp_ids, const c10::optional<at::Tensor>& lp_values,
+                                const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& mask_offsets,
+                                const c10::optional<at::Tensor>& mask_ids, const c10::optional<at::Tensor>& logz) {
+  return pack_mapped(prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
+                                       lp_values, ranks, mask_offsets, mask_ids, logz), false);
 }
 
 at::Tensor pack_step_slots_split_cuda(int64_t message_id, const at::Tensor& seq_ids, const at::Tensor& accept_counts,
@@ -303,25 +321,8 @@ at::Tensor pack_step_slots_split_cuda(int64_t message_id, const at::Tensor& seq_
                                       const c10::optional<at::Tensor>& mask_offsets,
                                       const c10::optional<at::Tensor>& mask_ids,
                                       const c10::optional<at::Tensor>& logz) {
-  const SlotArgs a = prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
-                                       lp_values, ranks, mask_offsets, mask_ids, logz);
-  const c10::cuda::CUDAGuard guard(token_ids.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor host = pinned_bytes(largest_frame(a));
-  void* mapped = nullptr;
-  FD_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host.data_ptr(), 0));
-  const at::Tensor workspace = workspace_for(a);
-  cudaEvent_t head = nullptr;
-  FD_CUDA_CHECK(cudaEventCreateWithFlags(&head, cudaEventDisableTiming));
-  launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head);
-  // The pinned pool must not hand this block out again before the mask-id kernel is done
-  // with it, even if the caller drops the frame without waiting.
-  at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
-                                                at::cuda::getCurrentCUDAStream().unwrap());
-  const cudaError_t waited = cudaEventSynchronize(head);
-  FD_CUDA_CHECK(cudaEventDestroy(head));
-  FD_CUDA_CHECK(waited);
-  return host.narrow(0, 0, frame_size(a, static_cast<const int64_t*>(host.data_ptr())));
+  return pack_mapped(prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
+                                       lp_values, ranks, mask_offsets, mask_ids, logz), true);
 }
 
 at::Tensor pack_step_slots_staged_cuda(int64_t message_id, const at::Tensor& seq_ids,

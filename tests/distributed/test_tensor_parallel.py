@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config
-from transformers import Qwen2ForCausalLM as HFQwen2
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.distributed.shard import shard_weight, vocab_shard
@@ -14,23 +12,16 @@ from fastdeploy.engine.executor import InProcessExecutor, WorkerProcessExecutor
 from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.ipc import make_ipc_dir
+from tests.random_qwen2 import save_random_qwen2
 
-# Odd vocabulary (padding on the last rank), GQA, q/k/v biases, untied head.
-SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=2, vocab_size=253, max_position_embeddings=256, rope_theta=1e4,
-             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+VOCAB = 253
+
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    hf = HFQwen2(Qwen2Config(**SMALL))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("qwen2")
-    hf.save_pretrained(path)
-    return str(path)
+    # An odd vocabulary: padding on the last rank.
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2"), vocab_size=VOCAB)
 
 
 def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False) -> list:
@@ -45,7 +36,7 @@ def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool
     core = EngineCore(config, executor)
     g = torch.Generator().manual_seed(3)
     for i in range(4):
-        prompt = torch.randint(3, SMALL["vocab_size"], (5 + 9 * i,), generator=g).tolist()
+        prompt = torch.randint(3, VOCAB, (5 + 9 * i,), generator=g).tolist()
         core.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                                      logprobs=3)))
     results: dict[str, tuple[list, list]] = {}

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config
-from transformers import Qwen2ForCausalLM as HFQwen2
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.engine.engine_core import EngineCore
@@ -23,11 +21,8 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.output.step_frame import unpack_step_frame
 from fastdeploy.worker.step_input import StepInput
 from fastdeploy.worker.step_output import StepOutput
+from tests.random_qwen2 import save_random_qwen2
 
-# 40,000 ids: above the GPU kept-set prefilter's threshold, so CUDA runs take that path too.
-SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=2, vocab_size=40_000, max_position_embeddings=256, rope_theta=1e4,
-             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
 # (sampling settings, max_tokens, wants the mask): finishing at different steps, one opted out.
 MIXES = [
     ({"top_p": 0.9}, 7, True),
@@ -40,14 +35,8 @@ MIXES = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    hf = HFQwen2(Qwen2Config(**SMALL))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("qwen2_40k")
-    hf.save_pretrained(path)
-    return str(path)
+    # 40,000 ids: above the GPU kept-set prefilter's threshold, so CUDA runs take that path too.
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2_40k"), vocab_size=40_000)
 
 
 class HeldBackIds:
