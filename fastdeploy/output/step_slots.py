@@ -28,7 +28,7 @@ class StepSlots:
     lp_values: Tensor | None = None  # float32 [B, S, K+1]
     ranks: Tensor | None = None  # int64 [B, S]
     mask_offsets: Tensor | None = None  # int32 [B*S + 1], CSR over mask_ids, row b*S+s; empty row = null
-    mask_ids: Tensor | None = None  # int32 [M]
+    mask_ids: Tensor | None = None  # int32 [>= M]: ids past mask_offsets[-1] are never read
     logz: Tensor | None = None  # float32 [B, S]
 
     @property

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -29,7 +30,9 @@ class RunningServer:
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.log = open(os.devnull, "w") if not os.environ.get("FASTDEPLOY_TEST_LOG") else None
+        # The server's output goes to a file the tests can read; FASTDEPLOY_TEST_LOG=1 shows it instead.
+        self.log = None if os.environ.get("FASTDEPLOY_TEST_LOG") else tempfile.NamedTemporaryFile(
+            "w+", prefix="fastdeploy-server-", suffix=".log")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._wait_ready()
@@ -61,6 +64,14 @@ class RunningServer:
             if "spawn_main" in " ".join(proc.cmdline()) and parent and "spawn_main" in " ".join(parent.cmdline()):
                 return proc
         raise LookupError("no worker process found")
+
+    def log_text(self) -> str:
+        """Everything the server's processes have logged so far ('' when shown on the console)."""
+        if self.log is None:
+            return ""
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.base_url}/metrics", timeout=5).text

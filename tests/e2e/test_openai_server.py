@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -17,6 +18,18 @@ CHAT = [{"role": "user", "content": "Name three fruits."}]
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_each_serving_process_freezes_its_start_up_heap(server, client):
+    """A full garbage collection walking the start-up heap stalled decode steps for ~250 ms."""
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    log = server.log_text()
+    if not log:
+        pytest.skip("the server's log goes to the console (FASTDEPLOY_TEST_LOG)")
+    frozen = {m[1]: int(m[2]) for m in re.finditer(r"(api server|engine|worker): (\d+) start-up objects frozen", log)}
+    assert set(frozen) == {"api server", "engine", "worker"}, log[-2000:]
+    # The worker holds the model and its tokenizer tables: far more than a bare interpreter's ~20k.
+    assert frozen["worker"] > 50_000 and min(frozen.values()) > 10_000, frozen
 
 
 def test_chat_non_stream_with_logprobs(client):

@@ -704,27 +704,31 @@ def fill_sampling_mask_dense(
 
     Truncating rows take ``kept`` (rows of t_rows, in order); greedy rows their sampled
     argmax, with logz its mass under the temperature-1 softmax; other rows are empty
-    with logz 0. One small device->host copy sizes the ids.
+    with logz 0.
+
+    No host read: the ids go into a buffer sized for the largest sets the shapes allow
+    (``out.mask_ids`` is that buffer; entries past ``mask_offsets[-1]`` are unspecified), so
+    the host keeps queueing work while the device computes the kept sets. A row the
+    kernel could not settle (``kept.bounds.failed``) gets an empty row here: its token is
+    ``UNSETTLED_TOKEN`` and the caller samples the step again with settled sets.
     """
     device = proc.device
-    b = proc.shape[0]
+    b, v = proc.shape
     value = torch.full((b,), math.inf, dtype=torch.float32, device=device)
     last = torch.full((b,), -1, dtype=torch.int32, device=device)
     counts = torch.zeros(b, dtype=torch.int32, device=device)
     logz = torch.zeros(b, dtype=torch.float32, device=device)
     failed = torch.zeros(b, dtype=torch.int32, device=device)
-
-    def take_truncating() -> None:
+    capacity = 0
+    if t_rows.numel():
         sel = requested[t_rows]
         kb = kept.bounds
-        value[t_rows] = torch.where(sel, kb.value, math.inf)
-        last[t_rows] = torch.where(sel, kb.last_id, -1)
-        counts[t_rows] = torch.where(sel, kb.count, 0)
+        settled = sel & (kb.failed == 0)
+        value[t_rows] = torch.where(settled, kb.value, math.inf)
+        last[t_rows] = torch.where(settled, kb.last_id, -1)
+        counts[t_rows] = torch.where(settled, kb.count, 0)
         logz[t_rows] = torch.where(sel, kb.logz.float(), 0.0)
-        failed[t_rows] = torch.where(sel, kb.failed, 0)
-
-    if t_rows.numel():
-        take_truncating()
+        capacity += t_rows.numel() * v
     if g_rows.numel():
         rows = g_rows[requested[g_rows]]
         if rows.numel():
@@ -737,13 +741,8 @@ def fill_sampling_mask_dense(
             counts[rows] = 1
             lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
             logz[rows] = (xt.double() - lse).float()
+        capacity += g_rows.numel()
     offsets = _offsets(counts)
-    total, flagged = _total_and_flagged(offsets, failed)
-    if flagged:
-        redo_flagged(*kept.params, kept.bounds)
-        take_truncating()
-        offsets = _offsets(counts)
-        total = int(offsets[-1])
     # Truncating rows the prefilter cut are compacted from their candidates, the rest from proc.
     candidates = None
     pf = kept.bounds.candidates if t_rows.numel() else None
@@ -752,5 +751,6 @@ def fill_sampling_mask_dense(
         src[t_rows] = torch.where(requested[t_rows], candidate_rows(pf), -1)
         candidates = (pf, src)
     out.mask_offsets = offsets
-    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, total, candidates)
+    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, capacity,
+                           candidates)
     out.logz = logz

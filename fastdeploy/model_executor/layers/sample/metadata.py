@@ -65,5 +65,7 @@ class SamplerOutput:
     # Kept sets as CSR; row r's ids are mask_ids[mask_offsets[r]:mask_offsets[r + 1]].
     # An empty row means null: no truncation, or no mask requested for that row.
     mask_offsets: torch.Tensor | None  # int32 [B + 1]
-    mask_ids: torch.Tensor | None  # int32 [M], sorted ascending within each row
+    # int32 [>= mask_offsets[-1]], sorted ascending within each row. On CUDA it is a buffer
+    # sized without reading the offsets back; what lies past mask_offsets[-1] is unspecified.
+    mask_ids: torch.Tensor | None
     logz: torch.Tensor | None  # float32 [B]; 0.0 for null rows
