@@ -59,3 +59,20 @@ def test_top_p_logprobs_decode_step_synchronises_once(llm):
     params = SamplingParams(temperature=0.8, top_p=0.9, logprobs=5, max_tokens=24, ignore_eos=True, seed=7)
     steps = _decode_syncs(llm, params)
     assert all(s.total == 1 for s in steps), _report(steps)
+
+
+@pytest.fixture(scope="module")
+def llm_with_masks():
+    engine = LLM(guided_decoding_backend="off", device="cuda", max_num_seqs=8, enable_keep_sampling_mask=True)
+    yield engine
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_sampling_mask_decode_step_synchronises_once(llm_with_masks):
+    """The CSR's ids go into a buffer sized from the shapes, so no read sizes them; the ids
+    reach the host on a copy stream that the next step never waits for."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3)
+    steps = _decode_syncs(llm_with_masks, params)
+    assert all(s.total == 1 for s in steps), _report(steps)
