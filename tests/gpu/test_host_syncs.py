@@ -72,7 +72,7 @@ def llm_with_masks():
 
 def test_sampling_mask_decode_step_synchronises_once(llm_with_masks):
     """The CSR's ids go into a buffer sized from the shapes, so no read sizes them; the ids
-    reach the host on a copy stream that the next step never waits for."""
+    follow the frame's head without a second wait inside the step."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3)
     steps = _decode_syncs(llm_with_masks, params)
     assert all(s.total == 1 for s in steps), _report(steps)
