@@ -111,9 +111,9 @@ def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> l
     offsets64 = offsets.astype(np.int64)
     table = _view((offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32))
     id_bytes = _view(np.ascontiguousarray(ids, dtype=_I32))
+    # Byte bounds of every run's table entries and ids, computed in numpy: the loop only slices.
     size = _I32.itemsize
-    runs = []
-    for entry, n, a, b in zip(first_entry.tolist(), counts64.tolist(), offsets64[starts].tolist(),
-                              offsets64[starts + counts64].tolist()):
-        runs.append(SamplingMasks(table[entry * size:(entry + n + 1) * size], id_bytes[a * size:b * size]))
-    return runs
+    ends = starts + counts64
+    bounds = zip((first_entry * size).tolist(), ((first_entry + entries) * size).tolist(),
+                 (offsets64[starts] * size).tolist(), (offsets64[ends] * size).tolist())
+    return [SamplingMasks(table[e0:e1], id_bytes[i0:i1]) for e0, e1, i0, i1 in bounds]
