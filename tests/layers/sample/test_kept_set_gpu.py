@@ -301,7 +301,9 @@ def interpreted_sampler_masks_from_candidates() -> None:
 
 def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
     """Through the engine on a small model: with the kernel starved, steps holding an unsettled
-    row are sampled again with settled sets, and seeded requests get the tokens of the CPU path."""
+    row are sampled again with settled sets, and seeded requests get the tokens, sampling masks
+    and logZ of the CPU path (the first pass's masks, which leave unsettled rows empty, are
+    never handed out)."""
     from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
@@ -317,21 +319,24 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
 
     Sampler.__call__ = counting
 
-    def generate(fast: bool) -> list[list[int]]:
+    def generate(fast: bool) -> list[tuple[list[int], list, list[float]]]:
         ksg.uses_fast_path = lambda device: fast
         config = EngineConfig(model=model_dir, device="cpu", dtype="float32", guided_decoding_backend="off",
-                              cache=CacheConfig(block_size=4, num_blocks=128),
+                              enable_keep_sampling_mask=True, cache=CacheConfig(block_size=4, num_blocks=128),
                               scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64))
         core = EngineCore(config, InProcessExecutor(config))
         mixes = [{"top_p": 0.9}, {"top_k": 50, "temperature": 0.8}, {"top_p": 0.95, "min_p": 0.01}, {"top_k": 200}]
         for i, mix in enumerate(mixes):
             params = SamplingParams(max_tokens=6, ignore_eos=True, seed=7 + i, **mix)
             core.add_request(EngineRequest(f"r{i}", [3 + i, 17, 42, 5 * i + 1], params, 0.0))
-        out: dict[str, list[int]] = {}
+        out: dict[str, tuple[list[int], list, list[float]]] = {}
         try:
             while core.has_work():
                 for delta in core.step():
-                    out.setdefault(delta.request_id, []).extend(delta.token_ids)
+                    tokens, masks, logz = out.setdefault(delta.request_id, ([], [], []))
+                    tokens.extend(delta.token_ids)
+                    masks.extend(delta.sampling_mask.to_lists())
+                    logz.extend(delta.logz)
         finally:
             core.shutdown()
         return [out[f"r{i}"] for i in range(len(mixes))]
@@ -339,7 +344,11 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
     _starve_kernel()
     fast = generate(True)
     assert True in settled_calls, "no step needed settling: the test does not reach the redraw"
-    assert fast == generate(False)
+    cpu = generate(False)
+    assert [tokens for tokens, _, _ in fast] == [tokens for tokens, _, _ in cpu]
+    assert [masks for _, masks, _ in fast] == [masks for _, masks, _ in cpu]
+    for (_, _, got), (_, _, want) in zip(fast, cpu):
+        np.testing.assert_allclose(got, want, atol=LOGZ_TOL, rtol=0)
 
 
 def _in_interpreter(call: str) -> None:
