@@ -1,0 +1,207 @@
+"""Where a decode step's time goes on the host, phase by phase, with the sampling mask on vs off.
+
+    python benchmarks/step_phases.py [--device cpu|cuda] [--model embedded|PATH --load-format dummy
+        --dtype bfloat16] [--batches 8 64] [--steps 40] [--reps 3]
+
+One in-process engine started with --enable-keep-sampling-mask decodes a batch of requests
+that ask for the mask, then one whose requests opt out, alternating, --reps times each.
+Every engine and worker phase of each steady decode step (the first 3 and last 2 steps of a
+run are left out) is timed on the host with `time.perf_counter` around the function that
+does it: no profiler, so the step keeps its own timing. A phase that waits for the device
+("wait" in its name) includes that wait; phases nest (the sampler's mask fill lies inside
+the sampler, everything of the worker inside "execute"). The start-up heap is frozen out
+of garbage collection first, as the serving processes do.
+
+Per phase: ms per step in the median run (by step wall time). Per run: the median and
+the mean step wall time, which differ when some steps stall.
+
+Writes benchmarks/results/step_phases_<device>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
+
+WARMUP_STEPS = 3
+TAIL_STEPS = 2
+
+
+def phase_targets() -> list[tuple[object, str, str]]:
+    """(owner, attribute, phase label): the functions timed, engine side first."""
+    import fastdeploy.engine.engine_core as engine_core
+    import fastdeploy.model_executor.layers.sample.kept_set_gpu as kept_set_gpu
+    import fastdeploy.output.token_processor as token_processor
+    import fastdeploy.scheduler.scheduler as scheduler
+    import fastdeploy.worker.model_runner as model_runner
+
+    return [
+        (scheduler.Scheduler, "schedule", "engine: schedule"),
+        (token_processor.TokenProcessor, "process", "engine: token processor"),
+        (engine_core.EngineCore, "_take_deferred", "engine: masked deltas (wait ids)"),
+        (model_runner.ModelRunner, "execute", "execute"),
+        (model_runner.ModelRunner, "_prepare_inputs", "worker: prepare inputs"),
+        (model_runner.ModelRunner, "_forward", "worker: forward (CUDA: launch only)"),
+        (model_runner.ModelRunner, "_sampling_metadata", "worker: sampling metadata"),
+        (model_runner.Sampler, "__call__", "worker: sampler"),
+        (kept_set_gpu, "fill_sampling_mask_dense", "worker: sampler: mask fill (CUDA)"),
+        (model_runner, "_step_slots", "worker: slot layout"),
+        (model_runner, "pack_step_slots_tensor", "worker: pack (wait frame)"),
+        (model_runner, "pack_step_slots_split", "worker: pack split (wait head)"),
+        (model_runner, "unpack_step_frame_op", "worker: unpack"),
+    ]
+
+
+@contextlib.contextmanager
+def timed_phases(totals: dict[str, float]) -> Iterator[None]:
+    """Adds each phase's host seconds to `totals` while inside; restores the functions after."""
+    saved = []
+    for owner, name, label in phase_targets():
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+        setattr(owner, name, _timed(original, label, totals))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _timed(fn: Callable, label: str, totals: dict[str, float]) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+
+    return wrapper
+
+
+def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
+    """One batch decoded to the end; the steady steps' wall times and per-phase host ms."""
+    from fastdeploy.engine.request import EngineRequest
+    from fastdeploy.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=1.0, top_p=top_p,
+                            ignore_eos=True, return_sampling_mask=mask)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(batch):
+        prompt = torch.randint(100, 30000, (16,), generator=g).tolist()
+        engine.add_request(EngineRequest(f"{seed}-{i}", prompt, params, time.time()))
+    walls: list[float] = []
+    per_step: list[dict[str, float]] = []
+    while engine.has_work():
+        totals: dict[str, float] = defaultdict(float)
+        with timed_phases(totals):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        per_step.append(totals)
+    # The first steps hold the prefill; the last ones drain the deferred masks.
+    steady = slice(WARMUP_STEPS, len(walls) - TAIL_STEPS)
+    walls, per_step = walls[steady], per_step[steady]
+    labels = sorted({label for totals in per_step for label in totals})
+    phases = {label: 1e3 * sum(t.get(label, 0.0) for t in per_step) / len(per_step) for label in labels}
+    return dict(median_step_ms=1e3 * statistics.median(walls), mean_step_ms=1e3 * statistics.mean(walls),
+                max_step_ms=1e3 * max(walls), phases_ms=phases)
+
+
+def plot(rows: list[dict], device_name: str, path: str) -> None:
+    """Stacked top-level phases per run (nested ones, "a: b: c", and "execute" are left out, as
+    their parents hold them), then the rest of the median step."""
+    plt = pyplot()
+    labels = sorted({label for r in rows for label in r["phases_ms"]
+                     if label != "execute" and label.count(":") == 1})
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 2.5))
+    names = [f"B={r['batch']} mask {'on' if r['mask'] else 'off'}" for r in rows]
+    left = [0.0] * len(rows)
+    for i, label in enumerate(labels):
+        widths = [r["phases_ms"].get(label, 0.0) for r in rows]
+        ax.barh(names, widths, 0.7, left=left, label=label, color=plt.cm.tab20(i % 20))
+        left = [a + b for a, b in zip(left, widths)]
+    rest = [max(0.0, r["median_step_ms"] - x) for r, x in zip(rows, left)]
+    ax.barh(names, rest, 0.7, left=left, label="rest of the step", color="lightgray")
+    ax.set_xlabel(f"host ms per steady decode step ({device_name})")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="embedded",
+                    help="'embedded' (SmolLM2-135M-Instruct) or a model path / config for --load-format dummy")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8])
+    ap.add_argument("--steps", type=int, default=40, help="steady decode steps per run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default=None, help="result file stem (default step_phases_<device>)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from fastdeploy.engine.args import EngineArgs
+    from fastdeploy.engine.engine_core import EngineCore
+    from fastdeploy.engine.executor import InProcessExecutor
+    from fastdeploy.startup_heap import freeze_startup_heap
+
+    info = machine_info()
+    device = torch.device(args.device)
+    info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else info["cpu"]
+    print_machine(info)
+    max_b = max(args.batches)
+    config = EngineArgs(model=None if args.model == "embedded" else args.model, load_format=args.load_format,
+                        dtype=args.dtype, device=args.device, max_num_seqs=max_b, max_model_len=512,
+                        max_num_batched_tokens=max(2048, 16 * max_b), guided_decoding_backend="off",
+                        enable_keep_sampling_mask=True).create_engine_config()
+    engine = EngineCore(config, InProcessExecutor(config))
+    freeze_startup_heap("benchmark")
+    seeds = iter(range(10**9))
+    rows = []
+    for batch in args.batches:
+        for mask in (True, False):  # first use of this batch size: graphs, kernels, pinned blocks
+            run_batch(engine, batch, mask, 8, args.top_p, next(seeds))
+        runs: dict[bool, list[dict]] = {True: [], False: []}
+        for _ in range(args.reps):
+            for mask in (True, False):
+                runs[mask].append(run_batch(engine, batch, mask, args.steps, args.top_p, next(seeds)))
+        for mask in (False, True):
+            by_wall = sorted(runs[mask], key=lambda r: r["median_step_ms"])
+            median_run = by_wall[len(by_wall) // 2]
+            rows.append(dict(batch=batch, mask=mask, median_step_ms=median_run["median_step_ms"],
+                             mean_step_ms=median_run["mean_step_ms"], max_step_ms=median_run["max_step_ms"],
+                             run_median_step_ms=[r["median_step_ms"] for r in runs[mask]],
+                             phases_ms=median_run["phases_ms"]))
+    engine.shutdown()
+
+    print_table(rows, ["batch", "mask", "median_step_ms", "mean_step_ms", "max_step_ms"])
+    for row in rows:
+        print(f"\nB={row['batch']} mask {'on' if row['mask'] else 'off'}: runs' median step "
+              + ", ".join(f"{ms:.2f}" for ms in row["run_median_step_ms"]) + " ms")
+        for label, ms in sorted(row["phases_ms"].items()):
+            print(f"  {label:<36} {ms:8.3f} ms/step")
+    name = args.name or f"step_phases_{device.type}"
+    print(write_json(name, {"benchmark": "step_phases", "machine": info, "args": vars(args), "rows": rows}))
+    plot(rows, info["device"], png_path(name))
+    print(png_path(name))
+
+
+if __name__ == "__main__":
+    main()
