@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
+from common import machine_info, png_path, print_machine, print_table, pyplot, write_json
 
 WARMUP_STEPS = 3
 TAIL_STEPS = 2
@@ -41,11 +41,11 @@ TAIL_STEPS = 2
 
 def phase_targets() -> list[tuple[object, str, str]]:
     """(owner, attribute, phase label): the functions timed, engine side first."""
-    import fastdeploy.engine.engine_core as engine_core
-    import fastdeploy.model_executor.layers.sample.kept_set_gpu as kept_set_gpu
-    import fastdeploy.output.token_processor as token_processor
-    import fastdeploy.scheduler.scheduler as scheduler
-    import fastdeploy.worker.model_runner as model_runner
+    from fastdeploy.engine import engine_core
+    from fastdeploy.model_executor.layers.sample import kept_set_gpu
+    from fastdeploy.output import token_processor
+    from fastdeploy.scheduler import scheduler
+    from fastdeploy.worker import model_runner
 
     return [
         (scheduler.Scheduler, "schedule", "engine: schedule"),
@@ -116,8 +116,8 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
     walls, per_step = walls[steady], per_step[steady]
     labels = sorted({label for totals in per_step for label in totals})
     phases = {label: 1e3 * sum(t.get(label, 0.0) for t in per_step) / len(per_step) for label in labels}
-    return dict(median_step_ms=1e3 * statistics.median(walls), mean_step_ms=1e3 * statistics.mean(walls),
-                max_step_ms=1e3 * max(walls), phases_ms=phases)
+    return {"median_step_ms": 1e3 * statistics.median(walls), "mean_step_ms": 1e3 * statistics.mean(walls),
+            "max_step_ms": 1e3 * max(walls), "phases_ms": phases}
 
 
 def plot(rows: list[dict], device_name: str, path: str) -> None:
@@ -185,10 +185,8 @@ def main() -> None:
         for mask in (False, True):
             by_wall = sorted(runs[mask], key=lambda r: r["median_step_ms"])
             median_run = by_wall[len(by_wall) // 2]
-            rows.append(dict(batch=batch, mask=mask, median_step_ms=median_run["median_step_ms"],
-                             mean_step_ms=median_run["mean_step_ms"], max_step_ms=median_run["max_step_ms"],
-                             run_median_step_ms=[r["median_step_ms"] for r in runs[mask]],
-                             phases_ms=median_run["phases_ms"]))
+            rows.append({"batch": batch, "mask": mask, **median_run,
+                         "run_median_step_ms": [r["median_step_ms"] for r in runs[mask]]})
     engine.shutdown()
 
     print_table(rows, ["batch", "mask", "median_step_ms", "mean_step_ms", "max_step_ms"])
