@@ -53,7 +53,7 @@ def phase_targets() -> list[tuple[object, str, str]]:
         (engine_core.EngineCore, "_take_deferred", "engine: masked deltas (wait ids)"),
         (model_runner.ModelRunner, "execute", "execute"),
         (model_runner.ModelRunner, "_prepare_inputs", "worker: prepare inputs"),
-        (model_runner.ModelRunner, "_forward", "worker: forward (CUDA: launch only)"),
+        (model_runner.ModelRunner, "_forward", "worker: forward (on CUDA the launch)"),
         (model_runner.ModelRunner, "_sampling_metadata", "worker: sampling metadata"),
         (model_runner.Sampler, "__call__", "worker: sampler"),
         (kept_set_gpu, "fill_sampling_mask_dense", "worker: sampler: mask fill (CUDA)"),
