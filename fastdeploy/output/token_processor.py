@@ -54,8 +54,7 @@ class TokenProcessor:
                 logprobs=part.logprobs[:kept] if part.logprobs is not None else None,
                 logprob_token_ids=part.logprob_token_ids[:kept] if part.logprob_token_ids is not None else None,
                 ranks=part.ranks[:kept] if part.ranks is not None else None,
-                sampling_mask=(part.sampling_mask if kept == len(part.token_ids) else part.sampling_mask.head(kept))
-                if wants_mask else None,
+                sampling_mask=part.sampling_mask.head(kept) if wants_mask else None,
                 logz=part.logz[:kept] if wants_mask else None,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,

@@ -92,7 +92,8 @@ class KeptBounds:
 
     value: float32 [R] and last_id: int32 [R], the last kept entry (value +inf: none).
     count: int32 [R] kept ids. logz: float64 [R], log of their softmax mass.
-    failed: int32 [R], 1 where the row could not be settled (value/last_id keep a superset).
+    failed: int32 [R], 1 where the row could not be settled (value/last_id keep a superset);
+    None for bounds assembled for a compaction, whose unsettled rows are already emptied.
     candidates: the prefilter's rows where it ran (the CSR compaction reads those instead).
     """
 
@@ -100,7 +101,7 @@ class KeptBounds:
     last_id: torch.Tensor
     count: torch.Tensor
     logz: torch.Tensor
-    failed: torch.Tensor
+    failed: torch.Tensor | None = None
     candidates: prefilter_module.Candidates | None = None
 
 
@@ -718,7 +719,6 @@ def fill_sampling_mask_dense(
     last = torch.full((b,), -1, dtype=torch.int32, device=device)
     counts = torch.zeros(b, dtype=torch.int32, device=device)
     logz = torch.zeros(b, dtype=torch.float32, device=device)
-    failed = torch.zeros(b, dtype=torch.int32, device=device)
     capacity = 0
     if t_rows.numel():
         sel = requested[t_rows]
@@ -751,6 +751,5 @@ def fill_sampling_mask_dense(
         src[t_rows] = torch.where(requested[t_rows], candidate_rows(pf), -1)
         candidates = (pf, src)
     out.mask_offsets = offsets
-    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz, failed), out.mask_offsets, capacity,
-                           candidates)
+    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz), out.mask_offsets, capacity, candidates)
     out.logz = logz
