@@ -3,7 +3,7 @@
     python benchmarks/host_syncs.py [--batch 8] [--max-tokens 32] [--model M --load-format dummy]
 
 Runs `LLM.chat` on the embedded model (bf16, CUDA graphs) and counts, with PyTorch's sync
-debug mode, the synchronising calls inside every `ModelRunner.execute`
+debug mode, the synchronising calls of every worker step (`ModelRunner.launch` and its result)
 (`fastdeploy.worker.sync_count`), plus the packer's copy of the frame, which that mode does not
 see. Reported: per configuration, synchronisations per steady decode step (median, max) and the
 source lines of the ones PyTorch saw. Writes benchmarks/results/host_syncs.json.

@@ -9,7 +9,9 @@ Every engine and worker phase of each steady decode step (the first 3 and last 2
 run are left out) is timed on the host with `time.perf_counter` around the function that
 does it: no profiler, so the step keeps its own timing. A phase that waits for the device
 ("wait" in its name) includes that wait; phases nest (the sampler's mask fill lies inside
-the sampler, everything of the worker inside "execute"). The start-up heap is frozen out
+the sampler; the worker's phases inside "execute: launch" and "execute: result", between
+which the engine cuts the previous step's masks when the step runs beside it, on a GPU).
+The start-up heap is frozen out
 of garbage collection first, as the serving processes do.
 
 Per phase: ms per step in the median run (by step wall time). Per run: the median and
@@ -41,17 +43,18 @@ TAIL_STEPS = 2
 
 def phase_targets() -> list[tuple[object, str, str]]:
     """(owner, attribute, phase label): the functions timed, engine side first."""
-    from fastdeploy.engine import engine_core
     from fastdeploy.model_executor.layers.sample import kept_set_gpu
     from fastdeploy.output import token_processor
     from fastdeploy.scheduler import scheduler
-    from fastdeploy.worker import model_runner
+    from fastdeploy.worker import model_runner, step_output
 
     return [
         (scheduler.Scheduler, "schedule", "engine: schedule"),
-        (token_processor.TokenProcessor, "process", "engine: token processor"),
-        (engine_core.EngineCore, "_take_deferred", "engine: masked deltas (wait ids)"),
-        (model_runner.ModelRunner, "execute", "execute"),
+        (token_processor.TokenProcessor, "apply", "engine: token processor (tokens)"),
+        (token_processor.TokenProcessor, "attach_masks", "engine: token processor (masks)"),
+        (step_output.StepOutput, "wait_mask_ids", "engine: wait for mask ids"),
+        (model_runner.ModelRunner, "launch", "execute: launch"),
+        (step_output.LaunchedStep, "result", "execute: result (wait frame)"),
         (model_runner.ModelRunner, "_prepare_inputs", "worker: prepare inputs"),
         (model_runner.ModelRunner, "_forward", "worker: forward (on CUDA the launch)"),
         (model_runner.ModelRunner, "_sampling_metadata", "worker: sampling metadata"),
@@ -121,11 +124,11 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
 
 
 def plot(rows: list[dict], device_name: str, path: str) -> None:
-    """Stacked top-level phases per run (nested ones, "a: b: c", and "execute" are left out, as
-    their parents hold them), then the rest of the median step."""
+    """Stacked top-level phases per run (nested ones, "a: b: c", and the worker's "execute: ..."
+    are left out, as their parents hold them), then the rest of the median step."""
     plt = pyplot()
     labels = sorted({label for r in rows for label in r["phases_ms"]
-                     if label != "execute" and label.count(":") == 1})
+                     if not label.startswith("execute") and label.count(":") == 1})
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 2.5))
     names = [f"B={r['batch']} mask {'on' if r['mask'] else 'off'}" for r in rows]
     left = [0.0] * len(rows)

@@ -1,10 +1,11 @@
 """The step loop: schedule → execute → process outputs → release finished sequences.
 
-A step whose frame comes back with its mask ids still crossing PCIe (CUDA, in process) has
-its tokens applied at once, so the next step is scheduled from them, while the deltas that
-carry masks are returned by the next `step()` call: by then the ids have landed, having
-crossed while the host scheduled and launched that step. No delta of a request overtakes
-another of the same request.
+A step's tokens are applied as soon as its frame's head is on the host, so the next step is
+scheduled from them. Its masked deltas wait for the next `step()` call when the step runs
+beside this thread (a GPU, or a worker process): they get their sampling masks cut from the
+frame while that next step runs, so the masks' host work stays out of the device's way, and
+on CUDA the mask ids have crossed PCIe by then. No delta of a request overtakes another of
+the same request.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastdeploy.engine.executor import Executor
 from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.engine.sampling_params import ParameterError
-from fastdeploy.output.token_processor import TokenProcessor
+from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
@@ -28,11 +29,11 @@ from fastdeploy.worker.step_output import StepOutput
 
 @dataclasses.dataclass
 class DeferredDeltas:
-    """Masked deltas of a step whose mask ids were still on their way; `output` keeps the frame
-    they view alive until they are handed out."""
+    """Masked deltas of a step, their masks still to be attached; `output` holds the frame
+    they will view (and, on CUDA, the completion of its mask ids)."""
 
     output: StepOutput
-    deltas: list[RequestDelta]
+    applied: AppliedStep
 
 
 class EngineCore:
@@ -92,7 +93,8 @@ class EngineCore:
                                            num_prompt_tokens=len(seq.prompt_token_ids)))
         if self._deferred is not None:
             aborted = set(request_ids)
-            self._deferred.deltas = [d for d in self._deferred.deltas if d.request_id not in aborted]
+            applied = self._deferred.applied
+            applied.masked = [m for m in applied.masked if m.delta.request_id not in aborted]
         return deltas
 
     def has_work(self) -> bool:
@@ -133,38 +135,42 @@ class EngineCore:
         step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests)
         self._freed = []
         self._grammar_requests = []
-        output = self.executor.execute(step_input)
-        # The previous step's mask ids were queued on the device before this step's work, so
-        # they are on the host by now: this wait costs nothing.
+        pending = self.executor.submit(step_input)
+        # The last step's masked deltas get their masks while this step runs.
         deltas = self._take_deferred()
+        output = pending.result()
         self.scheduler.on_step_done(plan)
         events = output.events
         deltas += self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
         self.spec_stats.add(events)
-        deferred = []
-        for seq, delta in self.token_processor.process(output.frame, self.sequences, terminated):
+        applied = self.token_processor.apply(output.frame, self.sequences, terminated)
+        for seq, delta in applied.results:
             if delta.finish_reason is not None:
                 self._release(seq)
             elif len(delta.token_ids) > 1:
                 # Accepted drafts already have their K/V in the cache (written while verifying);
                 # only the last accepted token is new.
                 seq.num_computed_tokens += len(delta.token_ids) - 1
-            if output.mask_ids_pending is not None and delta.sampling_mask is not None:
-                deferred.append(delta)
-            else:
-                deltas.append(delta)
-        if deferred:
-            self._deferred = DeferredDeltas(output, deferred)
+        if applied.masked and (self.executor.runs_beside_engine or output.mask_ids_pending is not None):
+            masked = {id(m.delta) for m in applied.masked}
+            deltas += [delta for _, delta in applied.results if id(delta) not in masked]
+            self._deferred = DeferredDeltas(output, applied)
+        else:
+            output.wait_mask_ids()
+            self.token_processor.attach_masks(applied)
+            deltas += [delta for _, delta in applied.results]
         return deltas
 
     def _take_deferred(self) -> list[RequestDelta]:
-        """The previous step's masked deltas, once their mask ids are on the host."""
+        """The previous step's masked deltas, their masks attached once the ids are on the host
+        (on CUDA they were queued before the step that runs now, so the wait costs nothing)."""
         if self._deferred is None:
             return []
         deferred, self._deferred = self._deferred, None
         deferred.output.wait_mask_ids()
-        return deferred.deltas
+        self.token_processor.attach_masks(deferred.applied)
+        return [m.delta for m in deferred.applied.masked]
 
     @property
     def waiting_for_grammar(self) -> bool:

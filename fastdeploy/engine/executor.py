@@ -15,15 +15,23 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
-from fastdeploy.worker.step_output import StepOutput
+from fastdeploy.worker.step_output import LaunchedStep, StepOutput
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
+
+
+class PendingStep(Protocol):
+    def result(self) -> StepOutput:
+        """Wait for the step; its packed frame and its non-token events."""
 
 
 class Executor(Protocol):
     info: WorkerInfo
+    # Whether a submitted step runs while the engine's thread goes on (a worker process, or a
+    # GPU's queue): only then is there time to spend between `submit` and `result`.
+    runs_beside_engine: bool
 
-    def execute(self, step: StepInput) -> StepOutput:
-        """Run one step; return its packed frame and its non-token events."""
+    def submit(self, step: StepInput) -> PendingStep:
+        """Start one step; each step's result is taken before the next is submitted."""
 
     def shutdown(self) -> None: ...
 
@@ -37,9 +45,10 @@ class InProcessExecutor:
         self.followers = spawn_followers(config, self._dir) if self._dir else []
         self.runner = ModelRunner(config, 0, tp_init_file(self._dir) if self._dir else None)
         self.info = self.runner.info
+        self.runs_beside_engine = self.runner.device.type == "cuda"
 
-    def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+    def submit(self, step: StepInput) -> LaunchedStep:
+        return self.runner.launch(step)
 
     def shutdown(self) -> None:
         self.runner.shutdown()  # with the followers, which leave the group as they stop
@@ -54,6 +63,19 @@ class InProcessExecutor:
 
 class WorkerError(RuntimeError):
     """The worker failed a step or died; in-flight sequences cannot continue."""
+
+
+class RemoteStep:
+    """A step sent to the worker process; its frame is received by `result()`."""
+
+    def __init__(self, executor: WorkerProcessExecutor) -> None:
+        self._executor = executor
+        self._output: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._output is None:
+            self._output = self._executor.receive_step()
+        return self._output
 
 
 class WorkerProcessExecutor:
@@ -75,6 +97,7 @@ class WorkerProcessExecutor:
         if kind != INFO:
             raise WorkerError(f"worker failed to start:\n{payload.decode()}")
         self.info = msgspec.msgpack.decode(payload, type=WorkerInfo)
+        self.runs_beside_engine = True
 
     def _recv(self, timeout_s: float) -> list[bytes]:
         try:
@@ -82,8 +105,12 @@ class WorkerProcessExecutor:
         except (PeerDiedError, TimeoutError) as exc:
             raise WorkerError(f"worker process lost: {exc}") from exc
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def submit(self, step: StepInput) -> RemoteStep:
         self.sock.send_multipart([STEP, self._encoder.encode(step)])
+        return RemoteStep(self)
+
+    def receive_step(self) -> StepOutput:
+        """The frame of the step sent last (bounded by `step_timeout_s` and the worker's liveness)."""
         kind, *payload = self._recv(self.step_timeout_s)
         if kind != FRAME:
             raise WorkerError(f"worker step failed:\n{payload[0].decode()}")

@@ -140,7 +140,9 @@ class SeqStepResult:
     logz: list[float] | None
 
 
-def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
+def split_by_sequence(frame: StepFrame, with_masks: bool = True) -> list[SeqStepResult]:
+    """One result per sequence of the frame; without `with_masks` the sampling masks and logZ
+    are left None (and the frame's mask ids are not read)."""
     seq_ids = frame.seq_ids.tolist()
     counts = frame.num_tokens.tolist()
     tokens = frame.token_ids.tolist()
@@ -149,7 +151,7 @@ def split_by_sequence(frame: StepFrame) -> list[SeqStepResult]:
     ranks = frame.ranks.tolist() if frame.ranks is not None else None
     masks: list[SamplingMasks] | None = None
     logz = None
-    if frame.mask_offsets is not None:
+    if with_masks and frame.mask_offsets is not None:
         masks = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         logz = frame.logz.tolist()
     results = []

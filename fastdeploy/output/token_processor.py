@@ -1,10 +1,39 @@
-"""Turns a worker frame into per-request deltas and decides which sequences finished."""
+"""Turns a worker frame into per-request deltas and decides which sequences finished.
+
+Two stages, so the engine can put the second one where it costs nothing: `apply` appends
+each sequence's accepted tokens and decides finishes (the next step is scheduled from
+them), building the deltas without their sampling masks; `attach_masks` cuts the frame's
+CSR into the masked deltas' runs. `process` does both at once.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.step_frame import FrameBuffer, split_by_sequence, unpack_step_frame
+from fastdeploy.output.sampling_masks import split_runs
+from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
+
+
+@dataclass
+class MaskedRun:
+    """A delta whose sampling masks are still to be cut from the frame: its sequence's run is
+    the frame's `run`-th, of which the delta keeps the first `kept` tokens."""
+
+    delta: RequestDelta
+    run: int
+    kept: int
+
+
+@dataclass
+class AppliedStep:
+    """A frame whose tokens are applied: one delta per sequence still running, and the masked
+    ones among them waiting for `TokenProcessor.attach_masks`."""
+
+    frame: StepFrame
+    results: list[tuple[Sequence, RequestDelta]] = field(default_factory=list)
+    masked: list[MaskedRun] = field(default_factory=list)
 
 
 class TokenProcessor:
@@ -26,13 +55,24 @@ class TokenProcessor:
 
     def process(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
                 grammar_terminated: frozenset[int] = frozenset()) -> list[tuple[Sequence, RequestDelta]]:
-        """Append accepted tokens to their sequences; return one delta per sequence in the frame.
+        """`apply` then `attach_masks`: the deltas complete."""
+        applied = self.apply(frame_bytes, sequences, grammar_terminated)
+        self.attach_masks(applied)
+        return applied.results
+
+    def apply(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
+              grammar_terminated: frozenset[int] = frozenset()) -> AppliedStep:
+        """Append accepted tokens to their sequences; one delta per sequence in the frame, its
+        sampling masks not yet attached.
 
         Tokens after a finishing token within one step (speculative runs) are dropped.
-        A sequence whose grammar completed this step finishes with "stop".
+        A sequence whose grammar completed this step finishes with "stop". The frame's mask
+        ids are not read here: on CUDA they may still be on their way to the host.
         """
-        results = []
-        for part in split_by_sequence(unpack_step_frame(frame_bytes)):
+        frame = unpack_step_frame(frame_bytes)
+        applied = AppliedStep(frame)
+        has_mask = frame.mask_offsets is not None
+        for run, part in enumerate(split_by_sequence(frame, with_masks=False)):
             seq = sequences.get(part.seq_id)
             if seq is None:  # aborted while the step ran
                 continue
@@ -46,19 +86,33 @@ class TokenProcessor:
                     break
             if finish_reason is None and part.seq_id in grammar_terminated:
                 finish_reason = "stop"
-            # Rows that opted out travel as empty CSR rows; they must not read as "null".
-            wants_mask = seq.return_sampling_mask and part.sampling_mask is not None
             delta = RequestDelta(
                 request_id=seq.request_id,
                 token_ids=part.token_ids[:kept],
                 logprobs=part.logprobs[:kept] if part.logprobs is not None else None,
                 logprob_token_ids=part.logprob_token_ids[:kept] if part.logprob_token_ids is not None else None,
                 ranks=part.ranks[:kept] if part.ranks is not None else None,
-                sampling_mask=part.sampling_mask.head(kept) if wants_mask else None,
-                logz=part.logz[:kept] if wants_mask else None,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 num_prompt_tokens=len(seq.prompt_token_ids),
             )
-            results.append((seq, delta))
-        return results
+            # Rows that opted out travel as empty CSR rows; they must not read as "null".
+            if has_mask and seq.return_sampling_mask:
+                applied.masked.append(MaskedRun(delta, run, kept))
+            applied.results.append((seq, delta))
+        return applied
+
+    def attach_masks(self, applied: AppliedStep) -> None:
+        """Give each masked delta its runs of the frame's CSR (views of the frame) and logZ.
+        The frame's mask ids must be on the host."""
+        if not applied.masked:
+            return
+        frame = applied.frame
+        counts = frame.num_tokens.tolist()
+        runs = split_runs(frame.mask_offsets, frame.mask_ids, counts)
+        starts = frame.num_tokens.cumsum().tolist()
+        logz = frame.logz.tolist()
+        for masked in applied.masked:
+            start = starts[masked.run] - counts[masked.run]
+            masked.delta.sampling_mask = runs[masked.run].head(masked.kept)
+            masked.delta.logz = logz[start:start + masked.kept]

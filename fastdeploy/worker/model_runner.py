@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -43,7 +44,7 @@ from fastdeploy.worker.device_inputs import upload, upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
 from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
-from fastdeploy.worker.step_output import StepOutput
+from fastdeploy.worker.step_output import LaunchedStep, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +163,23 @@ class ModelRunner:
         if self.guided is not None:
             self.guided.on_prompt(new.seq_id, new.prompt_token_ids)
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step; return its packed frame and its non-token events."""
+        return self.launch(step).result()
+
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Queue one step's work; the returned step's `result()` waits for it.
+
+        On CUDA everything up to the frame's copy to the host is queued without waiting for the
+        device, so the caller's thread is free while the model runs (the engine cuts the last
+        step's sampling masks in that time). Each step's result must be taken before the next
+        step is launched.
+        """
+        return LaunchedStep(self._step_stages(step))
+
+    @torch.inference_mode()
+    def _step_stages(self, step: StepInput) -> Generator[None, None, StepOutput]:
+        """One step as a generator that pauses once the step's device work is queued (`LaunchedStep`)."""
         events = WorkerEvents()
         for seq_id in step.freed_seq_ids:
             self.sequences.pop(seq_id, None)
@@ -210,8 +225,7 @@ class ModelRunner:
         may_redraw = kept_set_gpu.uses_fast_path(self.device) and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
 
-        def sample_and_pack(settle: bool) -> tuple[torch.Tensor, StepFrame, list[int], torch.cuda.Event | None]:
-            output = self.sampler(logits, metadata, settle_kept_sets=settle)
+        def pack(output: SamplerOutput) -> tuple[torch.Tensor, StepFrame, list[int], torch.cuda.Event | None]:
             slots = _step_slots(step.message_id, seq_ids, slot_drafts, output)
             pending = None
             if slots.has_mask and slots.token_ids.is_cuda:
@@ -226,7 +240,10 @@ class ModelRunner:
             frame = unpack_step_frame_op(packed)
             return packed, frame, frame.token_ids.tolist(), pending
 
-        packed, frame, tokens, pending = sample_and_pack(settle=False)
+        sampled = self.sampler(logits, metadata, settle_kept_sets=False)
+        yield  # the step's device work is queued: the caller may use its thread until `finish`
+        packed, frame, tokens, pending = pack(sampled)
+        del sampled
         if may_redraw and UNSETTLED_TOKEN in tokens:
             # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
             # the step again with every set settled, from the same seeded generator states,
@@ -234,7 +251,7 @@ class ModelRunner:
             for g, state in zip(metadata.generators, rng_states):
                 if g is not None:
                     g.set_state(state)
-            packed, frame, tokens, pending = sample_and_pack(settle=True)
+            packed, frame, tokens, pending = pack(self.sampler(logits, metadata, settle_kept_sets=True))
         counts = frame.num_tokens.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts)]

@@ -10,21 +10,25 @@ does not see, so every step that packs counts one more.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_input import StepInput
+from fastdeploy.worker.step_output import LaunchedStep
+
+T = TypeVar("T")
 
 _SYNC_WARNING = "synchronizing CUDA operation"
 
 
 @dataclass
 class StepSyncs:
-    """One `ModelRunner.execute` call."""
+    """One step of the runner: its launch and its result."""
 
     batch: int  # sequences sampled in the step
     decode: bool  # every chunk is one sampled token
@@ -36,33 +40,42 @@ class StepSyncs:
         return len(self.sources) + (1 if self.batch else 0)
 
 
+def _watched(call: Callable[[], T], sources: list[str]) -> T:
+    """`call()` with PyTorch's sync debug mode on; the lines of the synchronising calls it saw go to `sources`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            sources += [f"{w.filename}:{w.lineno}" for w in caught if _SYNC_WARNING in str(w.message)]
+
+
 @contextmanager
 def count_step_syncs(runner: ModelRunner) -> Iterator[list[StepSyncs]]:
-    """Record a StepSyncs for every step `runner` executes inside the block (CUDA only)."""
+    """Record a StepSyncs for every step `runner` launches inside the block (CUDA only): its
+    launch and its result together, not what the caller does in between."""
     steps: list[StepSyncs] = []
-    execute = runner.execute
+    launch = runner.launch
 
-    def counted(step: StepInput):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                result = execute(step)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+    def counted(step: StepInput) -> LaunchedStep:
         sampled = [c for c in step.chunks if c.sample]
-        steps.append(StepSyncs(
+        record = StepSyncs(
             batch=len(sampled),
             decode=bool(step.chunks) and all(c.sample and len(c.token_ids) == 1 for c in step.chunks),
-            sources=[f"{w.filename}:{w.lineno}" for w in caught if _SYNC_WARNING in str(w.message)],
-        ))
-        return result
+        )
+        steps.append(record)
+        launched = _watched(lambda: launch(step), record.sources)
+        result = launched.result
+        launched.result = lambda: _watched(result, record.sources)  # an instance attribute, as below
+        return launched
 
-    runner.execute = counted  # an instance attribute: the executor looks the method up per call
+    runner.launch = counted  # an instance attribute: the executor looks the method up per call
     try:
         yield steps
     finally:
-        del runner.execute
+        del runner.launch
 
 
 def steady_decode(steps: list[StepSyncs], warmup: int = 2) -> list[StepSyncs]:

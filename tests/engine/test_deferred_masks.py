@@ -19,8 +19,9 @@ from fastdeploy.engine.executor import InProcessExecutor
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.output.step_frame import unpack_step_frame
+from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.worker.step_input import StepInput
-from fastdeploy.worker.step_output import StepOutput
+from fastdeploy.worker.step_output import LaunchedStep, StepOutput
 from tests.random_qwen2 import save_random_qwen2
 
 # (sampling settings, max_tokens, wants the mask): finishing at different steps, one opted out.
@@ -52,6 +53,14 @@ class HeldBackIds:
         self.waited = True
 
 
+class FinishedStep:
+    def __init__(self, output: StepOutput) -> None:
+        self.output = output
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
 class HoldingBackExecutor(InProcessExecutor):
     """The CPU runner, each masked frame returned with its ids still to come."""
 
@@ -59,23 +68,48 @@ class HoldingBackExecutor(InProcessExecutor):
         super().__init__(config)
         self.completions: list[HeldBackIds] = []
 
-    def execute(self, step: StepInput) -> StepOutput:
-        output = super().execute(step)
+    def submit(self, step: StepInput) -> FinishedStep:
+        output = super().submit(step).result()
         frame = bytearray(output.frame)
         ids = unpack_step_frame(frame).mask_ids
         if ids is None or not len(ids):
-            return StepOutput(frame, output.events)
+            return FinishedStep(StepOutput(frame, output.events))
         self.completions.append(HeldBackIds(ids))
-        return StepOutput(frame, output.events, self.completions[-1])
+        return FinishedStep(StepOutput(frame, output.events, self.completions[-1]))
 
 
 class WaitingExecutor(InProcessExecutor):
-    """Every frame whole before the engine sees it: the engine defers nothing."""
+    """Every frame whole before the engine sees it."""
 
-    def execute(self, step: StepInput) -> StepOutput:
-        output = super().execute(step)
+    def submit(self, step: StepInput) -> FinishedStep:
+        output = super().submit(step).result()
         output.wait_mask_ids()
-        return output
+        return FinishedStep(output)
+
+
+class BesideEngineExecutor(InProcessExecutor):
+    """The CPU runner, declared to run beside the engine's thread as a worker process or a GPU
+    does; logs each step's submission next to the token processor's mask cuts."""
+
+    def __init__(self, config: EngineConfig, log: list[tuple[str, int]]) -> None:
+        super().__init__(config)
+        self.runs_beside_engine = True
+        self.log = log
+
+    def submit(self, step: StepInput) -> LaunchedStep:
+        self.log.append(("submit", step.message_id))
+        return super().submit(step)
+
+
+class LoggingTokenProcessor(TokenProcessor):
+    def __init__(self, processor: TokenProcessor, log: list[tuple[str, int]]) -> None:
+        super().__init__(list(processor.eos_token_ids), processor.max_model_len)
+        self.log = log
+
+    def attach_masks(self, applied: AppliedStep) -> None:
+        if applied.masked:
+            self.log.append(("attach", applied.frame.message_id))
+        super().attach_masks(applied)
 
 
 def _config(model_dir: str, device: str) -> EngineConfig:
@@ -139,6 +173,25 @@ def test_deferred_masked_deltas_equal_the_plain_run(model_dir) -> None:
     assert _first_call(deferred_calls, "r0") == _first_call(plain_calls, "r0") + 1
     assert _first_call(deferred_calls, "r2") == _first_call(plain_calls, "r2")
     assert len(deferred_calls) == len(plain_calls) + 1
+
+
+def test_masks_are_cut_while_the_next_step_runs(model_dir) -> None:
+    """A runner beside the engine (a worker process, a GPU): the engine submits step m + 1
+    before it cuts step m's masks, and every request still gets what the plain run gives."""
+    plain, plain_calls = _run(EngineCore(_config(model_dir, "cpu"), InProcessExecutor(_config(model_dir, "cpu"))))
+    log: list[tuple[str, int]] = []
+    core = EngineCore(_config(model_dir, "cpu"), BesideEngineExecutor(_config(model_dir, "cpu"), log))
+    core.token_processor = LoggingTokenProcessor(core.token_processor, log)
+    beside, beside_calls = _run(core)
+    assert beside == plain
+    submitted = [m for kind, m in log if kind == "submit"]
+    cuts = [(i, m) for i, (kind, m) in enumerate(log) if kind == "attach"]
+    assert cuts and len(cuts) == len({m for _, m in cuts})  # each step's masks cut once
+    for i, m in cuts:
+        if m != submitted[-1]:
+            assert log.index(("submit", m + 1)) < i, f"step {m}'s masks were cut before step {m + 1} was submitted"
+    assert _first_call(beside_calls, "r0") == _first_call(plain_calls, "r0") + 1
+    assert _first_call(beside_calls, "r2") == _first_call(plain_calls, "r2")
 
 
 def test_abort_drops_the_held_back_delta(model_dir) -> None:

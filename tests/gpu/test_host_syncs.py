@@ -24,7 +24,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
            "Why is the sky blue?", "What is 12 times 13?", "Name a large animal.", "Say hello.", "Count to five."]
 
 
-@pytest.fixture(scope="module")
+# Function scope: each engine is gone before the next one sizes its KV cache from the GPU's
+# free memory (two module-scoped engines would both live until the module ends).
+@pytest.fixture
 def llm():
     engine = LLM(guided_decoding_backend="off", device="cuda", max_num_seqs=8)
     yield engine
@@ -61,7 +63,7 @@ def test_top_p_logprobs_decode_step_synchronises_once(llm):
     assert all(s.total == 1 for s in steps), _report(steps)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm_with_masks():
     engine = LLM(guided_decoding_backend="off", device="cuda", max_num_seqs=8, enable_keep_sampling_mask=True)
     yield engine
