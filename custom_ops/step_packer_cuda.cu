@@ -13,7 +13,9 @@
 // the host, with the mask ids still being written behind it on the same stream: the
 // engine can schedule the next step from the tokens while the bulk of a masked frame
 // crosses PCIe. The caller records an event on the stream and waits on it before it
-// reads the mask ids.
+// reads the mask ids. With write_mask_ids=false the ids are not written at all: a caller
+// whose ids already lie in frame order copies them in itself (a plain device-to-host
+// copy on a copy stream, off the compute stream's critical path).
 //
 // pack_step_slots_staged is the alternative measured in benchmarks/output_packing.py:
 // the frame is built in device memory, a 64-byte header is read back to learn the size,
@@ -213,7 +215,7 @@ int gather_blocks(int64_t work) {
 // `head_event`, the head and the mask ids are two launches with the event recorded
 // between them; otherwise one launch writes the whole frame.
 void launch_pack(const SlotArgs& a, uint8_t* dest, const at::Tensor& workspace, cudaStream_t stream,
-                 cudaEvent_t head_event = nullptr) {
+                 cudaEvent_t head_event = nullptr, bool write_mask_ids = true) {
   PackParams p;
   p.message_id = a.message_id;
   p.flag_word = a.flag_word;
@@ -252,7 +254,7 @@ void launch_pack(const SlotArgs& a, uint8_t* dest, const at::Tensor& workspace, 
   gather_kernel<<<gather_blocks(rows * p.width), kGatherThreads, 0, stream>>>(p);
   FD_CUDA_CHECK(cudaGetLastError());
   FD_CUDA_CHECK(cudaEventRecord(head_event, stream));
-  if (!p.has_mask) return;
+  if (!p.has_mask || !write_mask_ids) return;
   p.part = kMaskIds;
   gather_kernel<<<gather_blocks(p.num_in_ids), kGatherThreads, 0, stream>>>(p);
   FD_CUDA_CHECK(cudaGetLastError());
@@ -278,8 +280,9 @@ at::Tensor pinned_bytes(int64_t size) {
 }
 
 // The frame packed straight into pinned memory. `split`: return once the head is on the
-// host, with the mask-id kernel still writing behind it (pack_step_slots_split).
-at::Tensor pack_mapped(const SlotArgs& a, bool split) {
+// host, with the mask-id kernel still writing behind it (pack_step_slots_split), or, without
+// `write_mask_ids`, with the mask ids left for the caller to copy in.
+at::Tensor pack_mapped(const SlotArgs& a, bool split, bool write_mask_ids = true) {
   const c10::cuda::CUDAGuard guard(a.token_ids.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor host = pinned_bytes(largest_frame(a));
@@ -292,7 +295,7 @@ at::Tensor pack_mapped(const SlotArgs& a, bool split) {
   } else {
     cudaEvent_t head = nullptr;
     FD_CUDA_CHECK(cudaEventCreateWithFlags(&head, cudaEventDisableTiming));
-    launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head);
+    launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head, write_mask_ids);
     // The pinned pool must not hand this block out again before the mask-id kernel is done
     // with it, even if the caller drops the frame without waiting.
     at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
@@ -320,9 +323,9 @@ at::Tensor pack_step_slots_split_cuda(int64_t message_id, const at::Tensor& seq_
                                       const c10::optional<at::Tensor>& ranks,
                                       const c10::optional<at::Tensor>& mask_offsets,
                                       const c10::optional<at::Tensor>& mask_ids,
-                                      const c10::optional<at::Tensor>& logz) {
+                                      const c10::optional<at::Tensor>& logz, bool write_mask_ids) {
   return pack_mapped(prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
-                                       lp_values, ranks, mask_offsets, mask_ids, logz), true);
+                                       lp_values, ranks, mask_offsets, mask_ids, logz), true, write_mask_ids);
 }
 
 at::Tensor pack_step_slots_staged_cuda(int64_t message_id, const at::Tensor& seq_ids,
@@ -361,7 +364,7 @@ TORCH_LIBRARY_FRAGMENT(fastdeploy_ops, m) {
   m.def(
       "pack_step_slots_split(int message_id, Tensor seq_ids, Tensor accept_counts, Tensor token_ids, "
       "int num_logprobs, Tensor? lp_ids, Tensor? lp_values, Tensor? ranks, Tensor? mask_offsets, "
-      "Tensor? mask_ids, Tensor? logz) -> Tensor");
+      "Tensor? mask_ids, Tensor? logz, bool write_mask_ids=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdeploy_ops, CUDA, m) {

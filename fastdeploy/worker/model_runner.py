@@ -31,7 +31,12 @@ from fastdeploy.model_executor.layers.sample.metadata import RowGroups, SamplerO
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
-from fastdeploy.ops.step_packer import pack_step_slots_split, pack_step_slots_tensor, unpack_step_frame_op
+from fastdeploy.ops.step_packer import (
+    pack_step_slots_copying_ids,
+    pack_step_slots_split,
+    pack_step_slots_tensor,
+    unpack_step_frame_op,
+)
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
 from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
@@ -122,6 +127,8 @@ class ModelRunner:
                                                self.block_size, pad_slot)
             self.cuda_graphs.capture()
         self.sampler = Sampler()
+        # Masked frames' ids go to the host on this stream, beside the next step's compute.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._plan_encoder = msgspec.msgpack.Encoder()
         self._plan_decoder = msgspec.msgpack.Decoder(ForwardPlan)
         spec = config.speculative
@@ -228,20 +235,24 @@ class ModelRunner:
         def pack(output: SamplerOutput) -> tuple[torch.Tensor, StepFrame, list[int], torch.cuda.Event | None]:
             slots = _step_slots(step.message_id, seq_ids, slot_drafts, output)
             pending = None
-            if slots.has_mask and slots.token_ids.is_cuda:
+            if slots.has_mask and slots.token_ids.is_cuda and not drafts:
                 # The head of the frame comes back first; the mask ids (most of a masked frame's
-                # bytes) keep crossing PCIe while the engine schedules the next step.
+                # bytes) cross PCIe on a copy engine, beside the next step's kernels.
+                packed, frame, pending = pack_step_slots_copying_ids(slots, self._copy_stream)
+            elif slots.has_mask and slots.token_ids.is_cuda:
+                # Drafts: a kernel gathers the accepted slots' ids behind the head.
                 packed = pack_step_slots_split(slots)
                 pending = torch.cuda.Event()
                 pending.record()
+                frame = unpack_step_frame_op(packed)
             else:
                 # The step's one synchronisation: the packer's copy of the frame to the host.
                 packed = pack_step_slots_tensor(slots)
-            frame = unpack_step_frame_op(packed)
+                frame = unpack_step_frame_op(packed)
             return packed, frame, frame.token_ids.tolist(), pending
 
         sampled = self.sampler(logits, metadata, settle_kept_sets=False)
-        yield  # the step's device work is queued: the caller may use its thread until `finish`
+        yield  # the step's device work is queued: the caller may use its thread until `result()`
         packed, frame, tokens, pending = pack(sampled)
         del sampled
         if may_redraw and UNSETTLED_TOKEN in tokens:

@@ -15,6 +15,7 @@ import torch
 
 from fastdeploy.ops.step_packer import (
     pack_step_slots,
+    pack_step_slots_copying_ids,
     pack_step_slots_split,
     pack_step_slots_staged,
     pack_step_slots_tensor,
@@ -231,3 +232,41 @@ def test_ids_buffer_longer_than_the_csr(device):
     assert pack_step_slots(on_device) == want
     if device == "cuda":
         assert _split_frame(on_device) == want
+
+
+def _one_accepted_slot(seed: int, batch: int, k: int, top_k: int | None, max_mask_row: int) -> StepSlots:
+    """Slots as a plain sampling step makes them: one slot per sequence, each accepted, the ids
+    in a buffer larger than the CSR (the CUDA sampler sizes it without reading the offsets)."""
+    step = make_slots(seed, batch, 1, k, top_k, mask=True, max_mask_row=max_mask_row)
+    step.accept_counts = torch.ones(batch, dtype=torch.int32)
+    tail = torch.full((1000,), -5, dtype=torch.int32)  # never part of any row
+    step.mask_ids = torch.cat([step.mask_ids, tail])
+    return step
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch, k, top_k, max_mask_row", [(1, -1, None, 40), (7, 2, 3, 40), (64, -1, None, 5000),
+                                                           (24, 0, 0, 150_000)])
+def test_cuda_ids_copied_on_a_copy_stream_match_reference(batch, k, top_k, max_mask_row):
+    step = _one_accepted_slot(batch + max_mask_row, batch, k, top_k, max_mask_row)
+    want = pack_step_slots_reference(step)
+    stream = torch.cuda.Stream()
+    frame_bytes, frame, done = pack_step_slots_copying_ids(to_device(step, "cuda"), stream)
+    done.synchronize()
+    assert frame_bytes.is_pinned() and frame_bytes.numpy().tobytes() == want
+    assert np.shares_memory(frame.mask_ids, frame_bytes.numpy())
+    # The split op over the same over-sized buffer: the tail never reaches the frame.
+    assert _split_frame(to_device(step, "cuda")) == want
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_copying_ids_needs_one_accepted_slot_per_sequence():
+    step = make_slots(47, batch=4, slots=3, k=-1, top_k=None, mask=True)
+    with pytest.raises(ValueError, match="one accepted slot"):
+        pack_step_slots_copying_ids(to_device(step, "cuda"), torch.cuda.Stream())
+    step = _one_accepted_slot(48, 4, -1, None, 40)
+    step.accept_counts[2] = 0
+    with pytest.raises(ValueError, match="one accepted slot"):
+        pack_step_slots_copying_ids(to_device(step, "cuda"), torch.cuda.Stream())
