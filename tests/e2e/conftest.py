@@ -1,20 +1,85 @@
+from __future__ import annotations
+
+import json
+
 import pytest
 
 from tests.e2e.server import RunningServer
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
+SPEC_API_KEY = "spec-key"
+SPEC_CONFIG = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+
+# Every server the e2e tests share, by the fixture that hands it out: (arguments, API key).
+SERVERS = {
+    "server": (("--max-num-seqs", "40", "--max-model-len", "1024", "--num-kv-blocks", "2048"), API_KEY),
+    "reasoning_server": (("--reasoning-parser", "think", "--max-num-seqs", "4", "--max-model-len", "512",
+                          "--num-kv-blocks", "128"), API_KEY),
+    "mask_server": (("--enable-keep-sampling-mask", "--max-num-seqs", "16", "--num-kv-blocks", "512"), None),
+    "spec_server": (("--max-num-seqs", "8", "--max-model-len", "1024", "--enable-keep-sampling-mask",
+                     "--speculative-config", SPEC_CONFIG), SPEC_API_KEY),
+    # test_lifecycle.py: one server per test, each taken down by its test.
+    "killed_worker_server": (("--max-num-seqs", "8"), None),
+    "sigterm_server": (("--max-num-seqs", "4"), None),
+}
+# A start-up keeps about one core busy: servers of one group start together, in pairs, and the
+# tests run once every server of the pair is healthy (nothing else is starting beside them).
+GROUPS = [("killed_worker_server", "sigterm_server"), ("server", "reasoning_server"), ("mask_server", "spec_server")]
 
 
-@pytest.fixture(scope="session")
-def server():
-    srv = RunningServer("--max-num-seqs", "40", "--max-model-len", "1024", "--num-kv-blocks", "2048",
-                        api_key=API_KEY)
+class ServerLauncher:
+    """Starts each server the selected tests need when the first of its group is asked for,
+    together with the rest of its group; `take` hands one over to the fixture that stops it."""
+
+    def __init__(self, needed: set[str]) -> None:
+        self.needed = needed
+        self.ready: dict[str, RunningServer] = {}
+        self.failed: dict[str, BaseException] = {}
+
+    def take(self, name: str) -> RunningServer:
+        if name not in self.ready and name not in self.failed:
+            group = next(g for g in GROUPS if name in g)
+            batch = [n for n in group if n == name or (n in self.needed and n not in self.ready)]
+            started = {}
+            for n in batch:
+                args, api_key = SERVERS[n]
+                try:
+                    started[n] = RunningServer(*args, api_key=api_key, wait=False)
+                except BaseException as exc:  # noqa: BLE001 - reported by its own fixture
+                    self.failed[n] = exc
+            for n, srv in started.items():
+                try:
+                    srv.wait_ready()
+                    self.ready[n] = srv
+                except BaseException as exc:  # noqa: BLE001 - reported by its own fixture
+                    self.failed[n] = exc
+        if name in self.failed:
+            raise self.failed.pop(name)
+        return self.ready.pop(name)
+
+    def stop_all(self) -> None:
+        for srv in self.ready.values():
+            srv.stop()
+        self.ready.clear()
+
+
+@pytest.fixture(scope="package")
+def server_launcher(request):
+    needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    launcher = ServerLauncher(needed)
+    yield launcher
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="package")
+def server(server_launcher):
+    srv = server_launcher.take("server")
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(server):
     import openai
 

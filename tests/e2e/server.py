@@ -16,14 +16,24 @@ import psutil
 STARTUP_TIMEOUT_S = 240
 
 
+_handed_out: set[int] = set()  # ports of servers started here (one may not have bound its port yet)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class RunningServer:
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
+    """``RunningServer(*args)`` starts a server and waits until it is healthy; with
+    ``wait=False`` it only starts it (`wait_ready` waits), so several can start together."""
+
+    def __init__(self, *args: str, api_key: str | None = None, wait: bool = True) -> None:
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", "--port", str(self.port), *args]
@@ -35,10 +45,12 @@ class RunningServer:
             "w+", prefix="fastdeploy-server-", suffix=".log")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._wait_ready()
+        self.started_at = time.monotonic()
+        if wait:
+            self.wait_ready()
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def wait_ready(self) -> None:
+        deadline = self.started_at + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up")

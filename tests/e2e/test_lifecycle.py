@@ -8,14 +8,28 @@ import time
 
 import httpx
 import psutil
-
-from tests.e2e.server import RunningServer
+import pytest
 
 BODY = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
 
 
-def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_up():
-    server = RunningServer("--max-num-seqs", "8")
+# Each test takes its own server down; the two start together (conftest.py, `ServerLauncher`).
+@pytest.fixture
+def killed_worker_server(server_launcher):
+    srv = server_launcher.take("killed_worker_server")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def sigterm_server(server_launcher):
+    srv = server_launcher.take("sigterm_server")
+    yield srv
+    srv.stop()
+
+
+def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_up(killed_worker_server):
+    server = killed_worker_server
     try:
         results: dict[str, tuple[float, object]] = {}
 
@@ -64,8 +78,8 @@ def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_u
     assert not alive, f"processes left after SIGTERM: {alive}"
 
 
-def test_sigterm_with_requests_in_flight_stops_every_process():
-    server = RunningServer("--max-num-seqs", "4")
+def test_sigterm_with_requests_in_flight_stops_every_process(sigterm_server):
+    server = sigterm_server
     children = server.descendants()
     assert len(children) >= 2  # the engine and the worker
     thread = threading.Thread(

@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 
 from tests.e2e.conftest import API_KEY, MODEL
-from tests.e2e.server import RunningServer
 from tests.reasoning.fewshot import CHAT_MESSAGES, CHOICES
 
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": CHOICES}}, "required": ["answer"],
@@ -21,13 +20,18 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": 
 
 
 @pytest.fixture(scope="module")
-def reasoning_client():
+def reasoning_server(server_launcher):
+    """`--reasoning-parser think` (its arguments: conftest.py, SERVERS)."""
+    srv = server_launcher.take("reasoning_server")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(reasoning_server):
     import openai
 
-    srv = RunningServer("--reasoning-parser", "think", "--max-num-seqs", "4", "--max-model-len", "512",
-                        "--num-kv-blocks", "128", api_key=API_KEY)
-    yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
-    srv.stop()
+    return openai.OpenAI(base_url=f"{reasoning_server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
 
 def chat(client, **extra):

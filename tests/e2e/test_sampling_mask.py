@@ -7,15 +7,14 @@ import math
 
 import pytest
 
-from tests.e2e.server import RunningServer
-
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Write a line about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def mask_server():
-    srv = RunningServer("--enable-keep-sampling-mask", "--max-num-seqs", "16", "--num-kv-blocks", "512")
+def mask_server(server_launcher):
+    """`--enable-keep-sampling-mask` (its arguments: conftest.py, SERVERS)."""
+    srv = server_launcher.take("mask_server")
     yield srv
     srv.stop()
 

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
 
+from tests.e2e.conftest import SPEC_API_KEY as API_KEY
 from tests.e2e.server import RunningServer
 
-API_KEY = "spec-key"
 RECORD = '{"name": "Alice Smith", "age": 30, "city": "Paris", "tags": ["admin", "editor"], "active": true}'
 
 
 @pytest.fixture(scope="module")
-def spec_server():
-    srv = RunningServer("--max-num-seqs", "8", "--max-model-len", "1024", "--enable-keep-sampling-mask",
-                        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
-                        api_key=API_KEY)
+def spec_server(server_launcher):
+    """ngram drafts, 4 a step, with sampling masks (its arguments: conftest.py, SERVERS)."""
+    srv = server_launcher.take("spec_server")
     yield srv
     srv.stop()
 

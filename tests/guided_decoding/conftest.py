@@ -6,10 +6,8 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from fastdeploy.model_executor.model_loader import get_tokenizer
-
-    return get_tokenizer(None)
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -190,10 +190,10 @@ def _hf_reference_model(path: str) -> HFLlamaForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(embedded_tokenizer):
     path = embedded_model_path()
     model, config = get_model(None)
-    tokenizer = get_tokenizer(None)
+    tokenizer = embedded_tokenizer  # get_tokenizer(None), shared with other directories (tests/conftest.py)
     hf = _hf_reference_model(path)
     prompts = [
         tokenizer(

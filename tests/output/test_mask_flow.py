@@ -10,7 +10,6 @@ import pytest
 from fastdeploy.engine.request import EngineOutputs
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.formatting import extra_fields
-from fastdeploy.model_executor.model_loader import get_tokenizer
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
 from fastdeploy.output.sampling_masks import SamplingMasks
@@ -54,8 +53,8 @@ def test_token_processor_cuts_masks_at_the_finishing_token_and_drops_opted_out_r
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return get_tokenizer(None)
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 def run_deltas(tokenizer, params: SamplingParams, token_runs: list[list[int]],

@@ -2,7 +2,6 @@
 
 import pytest
 
-from fastdeploy.model_executor.model_loader import get_tokenizer
 from fastdeploy.reasoning import EndMarkerDetector, ThinkReasoningParser, get_reasoning_parser, reasoning_parser_names
 
 OPEN_PROMPT = "<|im_start|>assistant\n"
@@ -10,8 +9,8 @@ CLOSED_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 @pytest.fixture(scope="module")
-def parser():
-    return ThinkReasoningParser(get_tokenizer(None))
+def parser(embedded_tokenizer):
+    return ThinkReasoningParser(embedded_tokenizer)
 
 
 def test_registry():

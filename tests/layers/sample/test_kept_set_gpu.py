@@ -1,7 +1,7 @@
 """The sort-free kept set (`kept_set_gpu`) vs the float64 references.
 
-CPU (CI): the Triton kernels run in Triton's interpreter (a child process with
-TRITON_INTERPRET=1, CPU tensors) against the per-row float64 reference.
+CPU (CI): the Triton kernels run in Triton's interpreter (one child process
+for the module, with TRITON_INTERPRET=1, CPU tensors) against the per-row float64 reference.
 GPU (`gpu` marker, needs CUDA): `kept_set` and `kept_set_csr` on the device produce
 the same masks as the vectorised float64 full sort on the CPU for B in {1, 32, 256},
 V in {49152, 151936}, and the sampler's CUDA branch keeps every sampled token inside
@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 from sampler_test_utils import csr_row, make_meta
+from triton_interpreter import InterpreterProcess
 
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
@@ -101,7 +100,7 @@ def _kernel_kept_set(x, t, k, p, mp) -> KeptSet:
 
 
 def interpreted_case(rows: int, v: int, seed: int, candidates: int) -> None:
-    """Runs in a TRITON_INTERPRET=1 process (see `_in_interpreter`). A small candidate
+    """Runs in the TRITON_INTERPRET=1 process (see `INTERPRETER`). A small candidate
     buffer makes the narrowing passes, the tie runs and the bit-pattern pivots run at a
     vocabulary the interpreter gets through in seconds."""
     ksg.CANDIDATES = candidates
@@ -351,29 +350,55 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
         np.testing.assert_allclose(got, want, atol=LOGZ_TOL, rtol=0)
 
 
-def _in_interpreter(call: str) -> None:
-    """Runs ``call`` from this module in a child process with Triton's interpreter on.
+# ------------------------------------------------------------------ the interpreter process
 
-    The interpreter must be chosen before triton is first imported, so it needs a
-    process of its own; the kernels then run on CPU tensors.
-    """
+# One long-lived process with Triton's interpreter on runs every interpreted case of this module
+# (triton_interpreter.py says how, and how each case starts from a fresh process's state). The
+# cases a test needs nothing to build are handed to it when the session starts (conftest.py),
+# so it works through them on CPU the earlier tests leave idle; each test takes its own result.
+INTERPRETER = InterpreterProcess(__file__, warm_imports=("fastdeploy.engine.engine_core",
+                                                         "fastdeploy.model_executor.layers.sample.kept_set_prefilter"))
+
+# The call each such test runs (a test's call is looked up by its text: one missing here only
+# runs when its test asks).
+PREFETCHABLE = {
+    "test_unsettled_rows_are_marked_then_settled_interpreted": "interpreted_unsettled_rows_are_marked_then_settled()",
+    "test_sampler_masks_from_candidates_interpreted": "interpreted_sampler_masks_from_candidates()",
+    "test_kernel_matches_reference_interpreted": "interpreted_case({rows}, {v}, {seed}, {candidates})",
+    "test_prefilter_matches_reference_interpreted": "interpreted_prefilter_case({rows}, {v}, {seed}, {cap})",
+    "test_kernel_span_cut_rows_interpreted": "interpreted_span_cut_rows_with_poisoned_scratch()",
+    "test_kernel_edge_rows_interpreted": "interpreted_edge_rows()",
+    "test_kernel_ties_cut_by_ascending_id_interpreted": "interpreted_ties()",
+    "test_kernel_top_k_near_candidate_limit_interpreted": "interpreted_top_k_near_candidate_limit()",
+}
+
+
+def prefetch_calls(items) -> list[str]:
+    """The calls of the selected tests of this module found in PREFETCHABLE, in test order."""
+    calls = []
+    for item in items:
+        call = PREFETCHABLE.get(getattr(item, "originalname", None))
+        if call is not None and item.module is sys.modules[__name__]:
+            calls.append(call.format(**(item.callspec.params if hasattr(item, "callspec") else {})))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def interpreter():
     pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_kept_set_gpu as m; m.{call}"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout + res.stderr
+    yield INTERPRETER
+    INTERPRETER.close()
 
 
-def test_unsettled_rows_are_marked_then_settled_interpreted():
-    _in_interpreter("interpreted_unsettled_rows_are_marked_then_settled()")
+def test_unsettled_rows_are_marked_then_settled_interpreted(interpreter):
+    interpreter.run("interpreted_unsettled_rows_are_marked_then_settled()")
 
 
-def test_sampler_masks_from_candidates_interpreted():
-    _in_interpreter("interpreted_sampler_masks_from_candidates()")
+def test_sampler_masks_from_candidates_interpreted(interpreter):
+    interpreter.run("interpreted_sampler_masks_from_candidates()")
 
 
-def test_engine_redraws_unsettled_rows_interpreted(tmp_path):
+def test_engine_redraws_unsettled_rows_interpreted(interpreter, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -384,7 +409,7 @@ def test_engine_redraws_unsettled_rows_interpreted(tmp_path):
         for p in hf.parameters():
             p.copy_(0.5 * torch.randn_like(p))  # logits spread widely enough to truncate
     hf.save_pretrained(tmp_path)
-    _in_interpreter(f"interpreted_engine_redraws_unsettled_rows({str(tmp_path)!r})")
+    interpreter.run(f"interpreted_engine_redraws_unsettled_rows({str(tmp_path)!r})")
 
 
 def test_full_sort_matches_reference():
@@ -394,29 +419,29 @@ def test_full_sort_matches_reference():
 
 
 @pytest.mark.parametrize(("rows", "v", "seed", "candidates"), [(48, 37, 1, 64), (40, 300, 2, 16), (12, 3000, 3, 64)])
-def test_kernel_matches_reference_interpreted(rows, v, seed, candidates):
-    _in_interpreter(f"interpreted_case({rows}, {v}, {seed}, {candidates})")
+def test_kernel_matches_reference_interpreted(interpreter, rows, v, seed, candidates):
+    interpreter.run(f"interpreted_case({rows}, {v}, {seed}, {candidates})")
 
 
 @pytest.mark.parametrize(("rows", "v", "seed", "cap"), [(24, 3000, 11, 256), (16, 5000, 12, 512)])
-def test_prefilter_matches_reference_interpreted(rows, v, seed, cap):
-    _in_interpreter(f"interpreted_prefilter_case({rows}, {v}, {seed}, {cap})")
+def test_prefilter_matches_reference_interpreted(interpreter, rows, v, seed, cap):
+    interpreter.run(f"interpreted_prefilter_case({rows}, {v}, {seed}, {cap})")
 
 
-def test_kernel_span_cut_rows_interpreted():
-    _in_interpreter("interpreted_span_cut_rows_with_poisoned_scratch()")
+def test_kernel_span_cut_rows_interpreted(interpreter):
+    interpreter.run("interpreted_span_cut_rows_with_poisoned_scratch()")
 
 
-def test_kernel_edge_rows_interpreted():
-    _in_interpreter("interpreted_edge_rows()")
+def test_kernel_edge_rows_interpreted(interpreter):
+    interpreter.run("interpreted_edge_rows()")
 
 
-def test_kernel_ties_cut_by_ascending_id_interpreted():
-    _in_interpreter("interpreted_ties()")
+def test_kernel_ties_cut_by_ascending_id_interpreted(interpreter):
+    interpreter.run("interpreted_ties()")
 
 
-def test_kernel_top_k_near_candidate_limit_interpreted():
-    _in_interpreter("interpreted_top_k_near_candidate_limit()")
+def test_kernel_top_k_near_candidate_limit_interpreted(interpreter):
+    interpreter.run("interpreted_top_k_near_candidate_limit()")
 
 
 def _to(obj, device):
