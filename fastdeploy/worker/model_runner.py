@@ -461,7 +461,10 @@ class ModelRunner:
         # Optional inputs follow, each present only when some row needs it.
         wants_mask = np.array([s.return_sampling_mask for s in states], dtype=np.bool_)
         if wants_mask.any():
-            columns.append(wants_mask)
+            slots = np.full(len(states), -1, dtype=np.int32)
+            slots[groups[0]] = kept_set_gpu.GREEDY_SLOT
+            slots[groups[1]] = np.arange(len(groups[1]), dtype=np.int32)
+            columns += [wants_mask, slots]
         histories = None
         if any(p.has_penalties for p in params):
             histories = [_padded([s.prompt_token_ids for s in states]), _padded([s.output_token_ids for s in states])]
@@ -472,7 +475,7 @@ class ModelRunner:
             columns += [np.array(rows, np.int64), np.array(cols, np.int64), np.array(values, np.float32)]
         on_device = iter(upload(columns, self.device))
         t, k, p_, m, g_rows, t_rows, p_rows, rep, pres, freq = (next(on_device) for _ in range(10))
-        mask = next(on_device) if wants_mask.any() else None
+        mask, slots = (next(on_device), next(on_device)) if wants_mask.any() else (None, None)
         prompt_ids = output_ids = None
         if histories is not None:
             prompt_ids, output_ids = (next(on_device).view(h.shape) for h in histories)
@@ -495,7 +498,7 @@ class ModelRunner:
             max_num_logprobs=max(wants_logprobs, default=-1),
             logprobs_mode=self.config.logprobs_mode,
             return_sampling_mask=mask,
-            row_groups=RowGroups(g_rows, t_rows, p_rows, tuple(g.tolist() for g in groups)),
+            row_groups=RowGroups(g_rows, t_rows, p_rows, tuple(g.tolist() for g in groups), mask_slots=slots),
         )
 
 

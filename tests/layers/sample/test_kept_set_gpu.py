@@ -21,6 +21,7 @@ from sampler_test_utils import csr_row, make_meta
 from triton_interpreter import InterpreterProcess
 
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg
+from fastdeploy.model_executor.layers.sample.metadata import RowGroups
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler, process_logits
 from fastdeploy.model_executor.layers.sample.truncation import KeptSet
@@ -298,6 +299,68 @@ def interpreted_sampler_masks_from_candidates() -> None:
     assert csr_row(fast, 3) == [] and len(csr_row(fast, 2)) == 1
 
 
+def _runner_row_groups(t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: torch.Tensor) -> RowGroups:
+    """The row split with mask slots as the model runner builds them on the host."""
+    greedy = t <= 0
+    trunc = ~greedy & ((k > 0) | (p < 1) | (mp > 0))
+    groups = [m.nonzero().squeeze(1) for m in (greedy, trunc, ~greedy & ~trunc)]
+    slots = torch.full(t.shape, -1, dtype=torch.int32)
+    slots[groups[0]] = ksg.GREEDY_SLOT
+    slots[groups[1]] = torch.arange(groups[1].numel(), dtype=torch.int32)
+    return RowGroups(*groups, tuple(g.tolist() for g in groups), mask_slots=slots)
+
+
+def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) -> None:
+    """The one-launch mask bounds (`_mask_rows_kernel`) through the sampler: every kind of row
+    (truncating, greedy, greedy with -inf logits, plain, opting out, unsettled), with the
+    host's mask slots and with slots derived on the device, gives the CPU path's tokens, CSR
+    rows and logZ. Unsettled rows get UNSETTLED_TOKEN and an empty row."""
+    from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
+
+    ksg.CANDIDATES = 64  # the interpreter's sort of the default 2048 candidates takes minutes
+    if prefilter:
+        pf.CAP, pf.CHUNK, pf.CHOOSE_CHUNKS = 256, 256, 4
+    if starve:
+        _starve_kernel()
+    b = 12
+    x, t, k, p, mp = _plain_rows(11 + v, b, v)
+    x[1] *= 0.1  # flat
+    t[2] = t[5] = t[9] = 0.0  # greedy
+    x[5, ::3] = -math.inf  # greedy with grammar-masked tokens
+    k[4], p[4], mp[4] = 0, 1.0, 0.0  # plain: a null mask
+    asked = [True] * b
+    asked[3] = asked[9] = False  # opt out: a truncating and a greedy row
+
+    def sample(fast: bool, host_slots: bool):
+        ksg.uses_fast_path = lambda device: fast
+        gens = [torch.Generator().manual_seed(300 + r) for r in range(b)]
+        meta = make_meta(b, temperature=t.tolist(), top_k=k.tolist(), top_p=p.tolist(), min_p=mp.tolist(),
+                         generators=gens, return_sampling_mask=asked)
+        if host_slots:
+            meta.row_groups = _runner_row_groups(t, k, p, mp)
+        return Sampler()(x.clone(), meta, settle_kept_sets=False)
+
+    cpu = sample(False, False)
+    unsettled = None
+    for host_slots in (True, False):
+        fast = sample(True, host_slots)
+        marked = fast.sampled_token_ids == UNSETTLED_TOKEN
+        assert unsettled is None or torch.equal(marked, unsettled)
+        unsettled = marked
+        assert bool(marked.any()) == starve, marked
+        ok = ~marked
+        assert torch.equal(fast.sampled_token_ids[ok], cpu.sampled_token_ids[ok])
+        for r in range(b):
+            if marked[r]:
+                assert csr_row(fast, r) == [], f"row {r}: an unsettled row's mask must be empty"
+                continue
+            assert csr_row(fast, r) == csr_row(cpu, r), f"row {r}"
+            assert abs(float(fast.logz[r]) - float(cpu.logz[r])) <= LOGZ_TOL, f"row {r}"
+        assert csr_row(fast, 4) == csr_row(fast, 3) == csr_row(fast, 9) == []
+        assert float(fast.logz[4]) == float(fast.logz[9]) == 0.0
+        assert len(csr_row(fast, 2)) == len(csr_row(fast, 5)) == 1
+
+
 def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
     """Through the engine on a small model: with the kernel starved, steps holding an unsettled
     row are sampled again with settled sets, and seeded requests get the tokens, sampling masks
@@ -364,6 +427,7 @@ INTERPRETER = InterpreterProcess(__file__, warm_imports=("fastdeploy.engine.engi
 PREFETCHABLE = {
     "test_unsettled_rows_are_marked_then_settled_interpreted": "interpreted_unsettled_rows_are_marked_then_settled()",
     "test_sampler_masks_from_candidates_interpreted": "interpreted_sampler_masks_from_candidates()",
+    "test_mask_rows_match_cpu_path_interpreted": "interpreted_mask_rows_match_cpu_path({v}, {prefilter}, {starve})",
     "test_kernel_matches_reference_interpreted": "interpreted_case({rows}, {v}, {seed}, {candidates})",
     "test_prefilter_matches_reference_interpreted": "interpreted_prefilter_case({rows}, {v}, {seed}, {cap})",
     "test_kernel_span_cut_rows_interpreted": "interpreted_span_cut_rows_with_poisoned_scratch()",
@@ -396,6 +460,11 @@ def test_unsettled_rows_are_marked_then_settled_interpreted(interpreter):
 
 def test_sampler_masks_from_candidates_interpreted(interpreter):
     interpreter.run("interpreted_sampler_masks_from_candidates()")
+
+
+@pytest.mark.parametrize("v, prefilter, starve", [(300, False, False), (1500, True, False), (400, False, True)])
+def test_mask_rows_match_cpu_path_interpreted(interpreter, v, prefilter, starve):
+    interpreter.run(f"interpreted_mask_rows_match_cpu_path({v}, {prefilter}, {starve})")
 
 
 def test_engine_redraws_unsettled_rows_interpreted(interpreter, tmp_path):

@@ -56,7 +56,7 @@ import torch
 
 from fastdeploy.model_executor.layers.sample import kept_set_prefilter as prefilter_module
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort
-from fastdeploy.model_executor.layers.sample.truncation import KeptSet, scaled_lse
+from fastdeploy.model_executor.layers.sample.truncation import KeptSet
 
 try:  # pragma: no cover - only on machines with triton
     import triton
@@ -74,6 +74,7 @@ BLOCK = 512  # logits per loop step of the row kernel
 NUM_WARPS = 8
 NUM_STAGES = 3  # software pipelining depth of the row loops (Triton's CUDA default)
 MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
+GREEDY_SLOT = -2  # a greedy row's entry in the sampling mask's row slots (-1: a plain row)
 # Launch shape of the row kernel over a prefilter's candidates (rows of at most its CAP).
 COMPACT_BLOCK = 256
 COMPACT_WARPS = 4
@@ -530,6 +531,63 @@ if triton is not None:
         return base + tl.sum(ki, axis=0)
 
 
+    @triton.jit
+    def _mask_rows_kernel(x_ptr, stride, V, slot_ptr, req_ptr, tok_ptr,
+                          kv_ptr, klast_ptr, kcount_ptr, klogz_ptr, kfail_ptr, kfull_ptr,
+                          value_ptr, last_ptr, count_ptr, logz_ptr, src_ptr, off_ptr,
+                          GREEDY: tl.constexpr, TRUNCATED: tl.constexpr, CANDIDATE_ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """One row's kept bounds for the sampling mask's CSR (see `fill_sampling_mask_dense`),
+        in one program: what used to take a couple of dozen small launches."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.load(slot_ptr + row).to(tl.int64)
+        req = tl.load(req_ptr + row) != 0
+        value = float("inf")
+        last = -1
+        count = 0
+        logz = 0.0
+        if TRUNCATED:
+            is_t = req & (s >= 0)
+            st = tl.maximum(s, 0)
+            settled = is_t & (tl.load(kfail_ptr + st, mask=is_t, other=1) == 0)
+            value = tl.where(settled, tl.load(kv_ptr + st, mask=settled, other=0.0), value)
+            last = tl.where(settled, tl.load(klast_ptr + st, mask=settled, other=0), last)
+            count = tl.where(settled, tl.load(kcount_ptr + st, mask=settled, other=0), count)
+            logz = tl.where(is_t, tl.load(klogz_ptr + st, mask=is_t, other=0.0).to(tl.float32), logz)
+            if CANDIDATE_ROWS:
+                cut = is_t & (tl.load(kfull_ptr + st, mask=is_t, other=1) == 0)
+                tl.store(src_ptr + row, tl.where(cut, st, -1).to(tl.int32))
+        elif CANDIDATE_ROWS:
+            tl.store(src_ptr + row, -1)
+        # A greedy row keeps its token (the first argmax); logz = x[tok] - logsumexp(x), from
+        # per-lane running maxima and sums over the row (no pass at all for other rows).
+        is_g = req & (s == GREEDY)
+        tok = tl.load(tok_ptr + row, mask=is_g, other=0)
+        xt = tl.load(x_ptr + row * stride + tok, mask=is_g, other=0.0)
+        offs = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(0, tl.where(is_g, V, 0), BLOCK):
+            o = i + offs
+            x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
+            m_new = tl.maximum(m, x)
+            live = m_new > float("-inf")
+            acc = tl.where(live, acc * tl.exp(tl.where(live, m - m_new, 0.0)) + tl.exp(x - m_new), 0.0)
+            m = m_new
+        top = tl.max(m, axis=0)
+        total = tl.sum(tl.where(m > float("-inf"), acc * tl.exp(m - top), 0.0), axis=0)
+        value = tl.where(is_g, xt, value)
+        last = tl.where(is_g, tok.to(tl.int32), last)
+        count = tl.where(is_g, 1, count)
+        logz = tl.where(is_g, (xt - top) - tl.log(total), logz)
+        tl.store(value_ptr + row, value)
+        tl.store(last_ptr + row, last)
+        tl.store(count_ptr + row, count)
+        tl.store(logz_ptr + row, logz)
+        if row == 0:
+            tl.store(off_ptr, 0)
+
+
 # ---------------------------------------------------------------------------------
 # host side
 
@@ -697,59 +755,44 @@ def fill_sampling_mask_dense(
     out,
     proc: torch.Tensor,
     requested: torch.Tensor,
-    g_rows: torch.Tensor,
-    t_rows: torch.Tensor,
+    slots: torch.Tensor,
+    num_greedy: int,
     kept: GpuKeptSet | None,
 ) -> None:
     """`sampler._fill_sampling_mask` on CUDA: the CSR compacted from the kept bounds.
 
-    Truncating rows take ``kept`` (rows of t_rows, in order); greedy rows their sampled
-    argmax, with logz its mass under the temperature-1 softmax; other rows are empty
-    with logz 0.
+    slots int32 [B]: a truncating row's index in ``kept`` (>= 0), `GREEDY_SLOT` for a greedy
+    row, -1 for a plain one. Truncating rows take their kept set; greedy rows their sampled
+    argmax, with logz its mass under the temperature-1 softmax; other rows are empty with logz 0.
 
-    No host read: the ids go into a buffer sized for the largest sets the shapes allow
-    (``out.mask_ids`` is that buffer; entries past ``mask_offsets[-1]`` are unspecified), so
-    the host keeps queueing work while the device computes the kept sets. A row the
-    kernel could not settle (``kept.bounds.failed``) gets an empty row here: its token is
-    ``UNSETTLED_TOKEN`` and the caller samples the step again with settled sets.
+    Three launches (the rows' bounds, their cumsum, the compaction) and no host read: the ids
+    go into a buffer sized for the largest sets the shapes allow (``out.mask_ids`` is that
+    buffer; entries past ``mask_offsets[-1]`` are unspecified), so the host keeps queueing work
+    while the device computes the kept sets. A row the kernel could not settle
+    (``kept.bounds.failed``) gets an empty row here: its token is ``UNSETTLED_TOKEN`` and the
+    caller samples the step again with settled sets.
     """
-    device = proc.device
-    b, v = proc.shape
-    value = torch.full((b,), math.inf, dtype=torch.float32, device=device)
-    last = torch.full((b,), -1, dtype=torch.int32, device=device)
-    counts = torch.zeros(b, dtype=torch.int32, device=device)
-    logz = torch.zeros(b, dtype=torch.float32, device=device)
-    capacity = 0
-    if t_rows.numel():
-        sel = requested[t_rows]
-        kb = kept.bounds
-        settled = sel & (kb.failed == 0)
-        value[t_rows] = torch.where(settled, kb.value, math.inf)
-        last[t_rows] = torch.where(settled, kb.last_id, -1)
-        counts[t_rows] = torch.where(settled, kb.count, 0)
-        logz[t_rows] = torch.where(sel, kb.logz.float(), 0.0)
-        capacity += t_rows.numel() * v
-    if g_rows.numel():
-        rows = g_rows[requested[g_rows]]
-        if rows.numel():
-            # (x[tok], tok) bounds exactly {tok}: tok is the first argmax
-            tok = out.sampled_token_ids[rows]
-            x = proc if rows.numel() == b else proc[rows]
-            xt = x.gather(1, tok.unsqueeze(1)).squeeze(1)
-            value[rows] = xt
-            last[rows] = tok.to(torch.int32)
-            counts[rows] = 1
-            lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
-            logz[rows] = (xt.double() - lse).float()
-        capacity += g_rows.numel()
-    offsets = _offsets(counts)
-    # Truncating rows the prefilter cut are compacted from their candidates, the rest from proc.
-    candidates = None
-    pf = kept.bounds.candidates if t_rows.numel() else None
-    if pf is not None:
-        src = torch.full((b,), -1, dtype=torch.int32, device=device)
-        src[t_rows] = torch.where(requested[t_rows], candidate_rows(pf), -1)
-        candidates = (pf, src)
+    x = proc if proc.stride(1) == 1 else proc.contiguous()
+    b, v = x.shape
+    dev = x.device
+    value = torch.empty(b, dtype=torch.float32, device=dev)
+    last = torch.empty(b, dtype=torch.int32, device=dev)
+    counts = torch.empty(b, dtype=torch.int32, device=dev)
+    logz = torch.empty(b, dtype=torch.float32, device=dev)
+    offsets = torch.empty(b + 1, dtype=torch.int32, device=dev)
+    kb = kept.bounds if kept is not None else None
+    pf = kb.candidates if kb is not None else None
+    src = torch.empty(b, dtype=torch.int32, device=dev) if pf is not None else counts
+    # Without truncating rows the kernel reads none of these; any pointers of the types do.
+    trunc = (kb.value, kb.last_id, kb.count, kb.logz, kb.failed) if kb is not None else (value, last, counts, logz,
+                                                                                           counts)
+    full_row = pf.full_row if pf is not None else counts
+    _mask_rows_kernel[(b,)](x, x.stride(0), v, slots, requested, out.sampled_token_ids, *trunc, full_row,
+                            value, last, counts, logz, src, offsets, GREEDY=GREEDY_SLOT,
+                            TRUNCATED=kb is not None, CANDIDATE_ROWS=pf is not None, BLOCK=2 * BLOCK, num_warps=4)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
+    capacity = (kb.value.shape[0] if kb is not None else 0) * v + num_greedy
     out.mask_offsets = offsets
-    out.mask_ids = compact(proc, KeptBounds(value, last, counts, logz), out.mask_offsets, capacity, candidates)
+    out.mask_ids = compact(x, KeptBounds(value, last, counts, logz), offsets, capacity,
+                           (pf, src) if pf is not None else None)
     out.logz = logz

@@ -116,6 +116,17 @@ def _row_groups(meta: SamplingMetadata, temperature: torch.Tensor) -> tuple[torc
     return tuple(m.nonzero().squeeze(1) for m in (greedy, trunc, plain))
 
 
+def _mask_slots(meta: SamplingMetadata, b: int, g_rows: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:
+    """int32 [B] row slots for the CUDA mask kernel (see `RowGroups.mask_slots`): the host's
+    where given, else scattered on the device."""
+    if meta.row_groups is not None and meta.row_groups.mask_slots is not None:
+        return meta.row_groups.mask_slots
+    slots = torch.full((b,), -1, dtype=torch.int32, device=t_rows.device)
+    slots[g_rows] = kept_set_gpu.GREEDY_SLOT
+    slots[t_rows] = torch.arange(t_rows.numel(), dtype=torch.int32, device=t_rows.device)
+    return slots
+
+
 def _gather_log_probs(lp: torch.Tensor, sampled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Column 0 = sampled token, 1..k = top-k; ranks = 1 + #tokens with strictly larger logprob."""
     sampled_lp = lp.gather(1, sampled.unsqueeze(1))
@@ -240,7 +251,8 @@ class Sampler:
         # Read before the mask's CSR, which settles the flagged rows of its own copy in place.
         unsettled = kept.bounds.failed != 0 if kept is not None and not settle else None
         if want_mask and fast:
-            kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, g_rows, t_rows, kept)
+            slots = _mask_slots(meta, b, g_rows, t_rows)
+            kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, g_rows.numel(), kept)
         elif want_mask:
             _fill_sampling_mask(out, proc, requested, g_rows, t_rows, win)
         if unsettled is not None:
