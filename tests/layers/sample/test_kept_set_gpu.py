@@ -307,14 +307,16 @@ def _runner_row_groups(t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: to
     slots = torch.full(t.shape, -1, dtype=torch.int32)
     slots[groups[0]] = ksg.GREEDY_SLOT
     slots[groups[1]] = torch.arange(groups[1].numel(), dtype=torch.int32)
-    return RowGroups(*groups, tuple(g.tolist() for g in groups), mask_slots=slots)
+    return RowGroups(*groups, tuple(g.tolist() for g in groups), mask_slots=slots,
+                     truncated_top_k=k[groups[1]].tolist())
 
 
 def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) -> None:
     """The one-launch mask bounds (`_mask_rows_kernel`) through the sampler: every kind of row
     (truncating, greedy, greedy with -inf logits, plain, opting out, unsettled), with the
     host's mask slots and with slots derived on the device, gives the CPU path's tokens, CSR
-    rows and logZ. Unsettled rows get UNSETTLED_TOKEN and an empty row."""
+    rows and logZ. Unsettled rows get UNSETTLED_TOKEN and an empty row. The ids' buffer holds
+    top_k ids for a row with top_k given on the host, else the vocabulary; one per greedy row."""
     from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
 
     ksg.CANDIDATES = 64  # the interpreter's sort of the default 2048 candidates takes minutes
@@ -341,9 +343,13 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
         return Sampler()(x.clone(), meta, settle_kept_sets=False)
 
     cpu = sample(False, False)
+    truncating = (t > 0) & ((k > 0) | (p < 1) | (mp > 0))
+    greedy = int((t <= 0).sum())
     unsettled = None
     for host_slots in (True, False):
         fast = sample(True, host_slots)
+        per_row = torch.where(k[truncating] > 0, k[truncating].clamp(max=v), v) if host_slots else v
+        assert fast.mask_ids.numel() == int(torch.as_tensor(per_row).expand(int(truncating.sum())).sum()) + greedy
         marked = fast.sampled_token_ids == UNSETTLED_TOKEN
         assert unsettled is None or torch.equal(marked, unsettled)
         unsettled = marked

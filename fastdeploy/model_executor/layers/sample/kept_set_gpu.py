@@ -756,7 +756,7 @@ def fill_sampling_mask_dense(
     proc: torch.Tensor,
     requested: torch.Tensor,
     slots: torch.Tensor,
-    num_greedy: int,
+    capacity: int,
     kept: GpuKeptSet | None,
 ) -> None:
     """`sampler._fill_sampling_mask` on CUDA: the CSR compacted from the kept bounds.
@@ -764,10 +764,11 @@ def fill_sampling_mask_dense(
     slots int32 [B]: a truncating row's index in ``kept`` (>= 0), `GREEDY_SLOT` for a greedy
     row, -1 for a plain one. Truncating rows take their kept set; greedy rows their sampled
     argmax, with logz its mass under the temperature-1 softmax; other rows are empty with logz 0.
+    capacity: an upper bound on the ids of all rows (the caller's, from the shapes and top_k).
 
     Three launches (the rows' bounds, their cumsum, the compaction) and no host read: the ids
-    go into a buffer sized for the largest sets the shapes allow (``out.mask_ids`` is that
-    buffer; entries past ``mask_offsets[-1]`` are unspecified), so the host keeps queueing work
+    go into a buffer of ``capacity`` ids (``out.mask_ids`` is that buffer; entries past
+    ``mask_offsets[-1]`` are unspecified), so the host keeps queueing work
     while the device computes the kept sets. A row the kernel could not settle
     (``kept.bounds.failed``) gets an empty row here: its token is ``UNSETTLED_TOKEN`` and the
     caller samples the step again with settled sets.
@@ -791,7 +792,6 @@ def fill_sampling_mask_dense(
                             value, last, counts, logz, src, offsets, GREEDY=GREEDY_SLOT,
                             TRUNCATED=kb is not None, CANDIDATE_ROWS=pf is not None, BLOCK=2 * BLOCK, num_warps=4)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
-    capacity = (kb.value.shape[0] if kb is not None else 0) * v + num_greedy
     out.mask_offsets = offsets
     out.mask_ids = compact(x, KeptBounds(value, last, counts, logz), offsets, capacity,
                            (pf, src) if pf is not None else None)

@@ -23,6 +23,9 @@ class RowGroups:
     # int32 [B]: each row's index in `truncated`, GREEDY_SLOT (-2) if greedy, -1 if plain. The
     # CUDA sampling-mask kernel reads it; None when no row wants a mask.
     mask_slots: torch.Tensor | None = None
+    # The truncating rows' top_k on the host (0 = off): a row keeps at most top_k ids, which
+    # bounds the CUDA mask buffer below rows x vocabulary. None when no row wants a mask.
+    truncated_top_k: list[int] | None = None
 
 
 @dataclass

@@ -127,6 +127,15 @@ def _mask_slots(meta: SamplingMetadata, b: int, g_rows: torch.Tensor, t_rows: to
     return slots
 
 
+def _mask_capacity(meta: SamplingMetadata, v: int, num_truncated: int) -> int:
+    """The most ids the truncating rows' kept sets can hold: top_k where the host gave it
+    (a kept set never exceeds it), else the whole vocabulary per row."""
+    top_k = meta.row_groups.truncated_top_k if meta.row_groups is not None else None
+    if top_k is None:
+        return num_truncated * v
+    return sum(min(k, v) if k > 0 else v for k in top_k)
+
+
 def _gather_log_probs(lp: torch.Tensor, sampled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Column 0 = sampled token, 1..k = top-k; ranks = 1 + #tokens with strictly larger logprob."""
     sampled_lp = lp.gather(1, sampled.unsqueeze(1))
@@ -252,7 +261,8 @@ class Sampler:
         unsettled = kept.bounds.failed != 0 if kept is not None and not settle else None
         if want_mask and fast:
             slots = _mask_slots(meta, b, g_rows, t_rows)
-            kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, g_rows.numel(), kept)
+            capacity = _mask_capacity(meta, v, t_rows.numel()) + g_rows.numel()
+            kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, capacity, kept)
         elif want_mask:
             _fill_sampling_mask(out, proc, requested, g_rows, t_rows, win)
         if unsettled is not None:
