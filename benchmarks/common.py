@@ -8,7 +8,10 @@ import os
 import platform
 import socket
 import subprocess
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +56,18 @@ def machine_info() -> dict[str, Any]:
         "llama_cpp_python": _version("llama_cpp"),
         "git_commit": commit,
     }
+
+
+def machine_with_device(device: torch.device, threads: int) -> tuple[dict[str, Any], str]:
+    """Sets torch's CPU threads, prints `machine_info()` with the device's name added and
+    returns both (the name: the GPU's on CUDA, the CPU model otherwise)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    info = machine_info()
+    info["device"] = torch.cuda.get_device_name() if device.type == "cuda" else info["cpu"]
+    print_machine(info)
+    return info, info["device"]
 
 
 def print_machine(info: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata  # noqa: E402
 from fastdeploy.model_executor.layers.sample.sampler import Sampler  # noqa: E402
@@ -110,12 +110,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default=None, help="result file stem (default sampler_mask_cost_<device>)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    info = machine_info()
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else info["cpu"]
-    info["device"] = device_name
-    print_machine(info)
+    info, device_name = machine_with_device(device, args.threads)
     rows = []
     for v in args.vocabs:
         for b in args.batches:

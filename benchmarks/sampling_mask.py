@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg  # noqa: E402
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort  # noqa: E402
 from fastdeploy.model_executor.layers.sample.truncation import kept_logz, kept_window  # noqa: E402
@@ -282,12 +282,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--name", default=None, help="result file stem (default sampling_mask_<device>)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    info = machine_info()
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else info["cpu"]
-    info["device"] = device_name
-    print_machine(info)
+    info, device_name = machine_with_device(device, args.threads)
     kernel = [] if args.skip_kernel else kernel_grid(device, args.reps, args.budget_s)
     if kernel:
         print_table(kernel, ["config", "batch", "vocab", "fast_ms", "full_sort_ms", "speedup", "fast_device_ms",
