@@ -23,7 +23,9 @@ time per call (kernels and copies, from the profiler), which leaves out the host
 End to end: decode throughput of one engine started with --enable-keep-sampling-mask,
 alternating runs whose requests ask for the mask and runs whose requests opt out
 (`return_sampling_mask: false`, so the worker computes nothing for it, as without the
-flag), several times, median tok/s of each. Default: the embedded model (CPU or CUDA:
+flag), several times, median tok/s of each: over the whole run (prefill and the last steps
+included) and over its steady decode steps (from the end of the second step to the end of
+the one before last). Default: the embedded model (CPU or CUDA:
 --e2e-model embedded); a 7B-shape config with --e2e-load-format dummy on the GPU.
 
 Writes benchmarks/results/sampling_mask_<device>.json and .png.
@@ -190,8 +192,9 @@ def e2e(args, device: str) -> list[dict]:
     vocab = executor.info.vocab_size
     counter = iter(range(10**9))
 
-    def run(batch: int, mask: bool) -> tuple[float, float]:
-        """(tok/s, mean kept ids per masked token) of one batch of max_tokens each, prefill included."""
+    def run(batch: int, mask: bool) -> tuple[float, float, float]:
+        """(tok/s with prefill and the last steps included, tok/s of the steady decode steps,
+        mean kept ids per masked token) of one batch of max_tokens each."""
         g = torch.Generator().manual_seed(next(counter))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p, top_k=args.top_k,
                                 ignore_eos=True, return_sampling_mask=mask)
@@ -199,31 +202,48 @@ def e2e(args, device: str) -> list[dict]:
             prompt = torch.randint(100, 30000, (args.prompt_len,), generator=g).tolist()
             engine.add_request(EngineRequest(f"{batch}-{mask}-{i}-{time.time()}", prompt, params, time.time()))
         tokens, kept, masked = 0, 0, 0
+        steps: list[tuple[float, int]] = []  # (time after the step, tokens it handed out)
         t0 = time.perf_counter()
         while engine.has_work():
+            step_tokens = 0
             for delta in engine.step():
-                tokens += len(delta.token_ids)
+                step_tokens += len(delta.token_ids)
                 if delta.sampling_mask is not None:  # CSR: counted without building lists
                     # Two O(1) reads per delta: the consumer's own work stays out of the ratio.
                     # Every row here truncates (top_p < 1), so none is null.
                     kept += delta.sampling_mask.num_ids
                     masked += len(delta.sampling_mask)
-        return tokens / (time.perf_counter() - t0), (kept / masked if masked else 0.0)
+            tokens += step_tokens
+            steps.append((time.perf_counter(), step_tokens))
+        whole = tokens / (time.perf_counter() - t0)
+        # Steady decode: from the end of the second step to the end of the one before last, so
+        # neither the prefill nor a step that only hands out deferred masks counts.
+        steady = steps[2:-1]
+        decode = sum(n for _, n in steady) / (steady[-1][0] - steps[1][0]) if steady else float("nan")
+        return whole, decode, (kept / masked if masked else 0.0)
 
     rows = []
     for batch in args.e2e_batches:
         run(batch, True)  # warm-up: first use of this batch size
-        on, off, kept = [], [], 0.0
+        on, off, on_decode, off_decode, kept = [], [], [], [], 0.0
         for _ in range(args.e2e_reps):
-            tok_s, kept = run(batch, True)
+            tok_s, decode_tok_s, kept = run(batch, True)
             on.append(tok_s)
-            off.append(run(batch, False)[0])
+            on_decode.append(decode_tok_s)
+            tok_s, decode_tok_s, _ = run(batch, False)
+            off.append(tok_s)
+            off_decode.append(decode_tok_s)
         row = dict(batch=batch, vocab=vocab, mask_on_tok_s=statistics.median(on),
-                   mask_off_tok_s=statistics.median(off), on_runs=on, off_runs=off, kept_per_token=kept)
+                   mask_off_tok_s=statistics.median(off), on_runs=on, off_runs=off,
+                   mask_on_decode_tok_s=statistics.median(on_decode),
+                   mask_off_decode_tok_s=statistics.median(off_decode), on_decode_runs=on_decode,
+                   off_decode_runs=off_decode, kept_per_token=kept)
         row["ratio"] = row["mask_on_tok_s"] / row["mask_off_tok_s"]
+        row["decode_ratio"] = row["mask_on_decode_tok_s"] / row["mask_off_decode_tok_s"]
         rows.append(row)
         print(f"e2e B={batch}: mask on {row['mask_on_tok_s']:.1f} tok/s, off {row['mask_off_tok_s']:.1f} tok/s, "
-              f"ratio {row['ratio']:.3f}, kept ids/token {kept:.0f}", flush=True)
+              f"ratio {row['ratio']:.3f}, steady decode ratio {row['decode_ratio']:.3f}, "
+              f"kept ids/token {kept:.0f}", flush=True)
     return rows
 
 
@@ -291,7 +311,8 @@ def main() -> None:
                              "kept_per_row", "masks_equal"])
     e2e_rows = [] if args.skip_e2e else e2e(args, args.device)
     if e2e_rows:
-        print_table(e2e_rows, ["batch", "mask_off_tok_s", "mask_on_tok_s", "ratio", "kept_per_token"])
+        print_table(e2e_rows, ["batch", "mask_off_tok_s", "mask_on_tok_s", "ratio", "mask_off_decode_tok_s",
+                               "mask_on_decode_tok_s", "decode_ratio", "kept_per_token"])
     name = args.name or f"sampling_mask_{device.type}"
     print(write_json(name, {"benchmark": "sampling_mask", "machine": info, "args": vars(args), "kernel": kernel,
                             "e2e": e2e_rows}))
