@@ -10,16 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from fastdeploy.engine.request import RequestDelta
 from fastdeploy.output.sampling_masks import split_runs
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
 
-@dataclass
-class MaskedRun:
+class MaskedRun(msgspec.Struct, gc=False):
     """A delta whose sampling masks are still to be cut from the frame: its sequence's run is
-    the frame's `run`-th, of which the delta keeps the first `kept` tokens."""
+    the frame's `run`-th, of which the delta keeps the first `kept` tokens.
+
+    A struct rather than a dataclass: one is built per masked sequence per step, and a struct
+    is built in C (about 0.1 µs against 0.26 µs), untracked by the garbage collector (it holds
+    no cycle)."""
 
     delta: RequestDelta
     run: int
