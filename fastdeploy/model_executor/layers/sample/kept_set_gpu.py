@@ -533,7 +533,6 @@ if triton is not None:
         tl.store(ids_ptr + base + tl.cumsum(ki, axis=0) - 1, o, mask=keep)
         return base + tl.sum(ki, axis=0)
 
-
     @triton.jit
     def _mask_rows_kernel(x_ptr, stride, V, slot_ptr, req_ptr, tok_ptr,
                           kv_ptr, klast_ptr, kcount_ptr, klogz_ptr, kfail_ptr, kfull_ptr,
@@ -541,7 +540,7 @@ if triton is not None:
                           GREEDY: tl.constexpr, TRUNCATED: tl.constexpr, CANDIDATE_ROWS: tl.constexpr,
                           BLOCK: tl.constexpr):
         """One row's kept bounds for the sampling mask's CSR (see `fill_sampling_mask_dense`),
-        in one program: what used to take a couple of dozen small launches."""
+        one program per row of the batch; only a greedy row reads its logits."""
         row = tl.program_id(0).to(tl.int64)
         s = tl.load(slot_ptr + row).to(tl.int64)
         req = tl.load(req_ptr + row) != 0

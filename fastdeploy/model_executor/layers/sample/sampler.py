@@ -257,7 +257,7 @@ class Sampler:
                 lp = torch.log_softmax(logits.float(), dim=1)
             out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = _gather_log_probs(lp, sampled, k)
 
-        # Read before the mask's CSR, which settles the flagged rows of its own copy in place.
+        # Rows the kernel left unsettled (only without `settle`) get the redraw marker below.
         unsettled = kept.bounds.failed != 0 if kept is not None and not settle else None
         if want_mask and fast:
             slots = _mask_slots(meta, b, g_rows, t_rows)
