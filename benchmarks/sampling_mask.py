@@ -22,10 +22,10 @@ time per call (kernels and copies, from the profiler), which leaves out the host
 
 End to end: decode throughput of one engine started with --enable-keep-sampling-mask,
 alternating runs whose requests ask for the mask and runs whose requests opt out
-(`return_sampling_mask: false`, so the worker computes nothing for it, as without the
-flag), several times, median tok/s of each: over the whole run (prefill and the last steps
-included) and over its steady decode steps (from the end of the second step to the end of
-the one before last). Default: the embedded model (CPU or CUDA:
+(`return_sampling_mask: false`, so the worker computes nothing for it, as without the flag),
+each side first in every other pair, several times, median tok/s of each: over the whole run
+(prefill and the last steps included) and over its steady decode steps (from the end of the
+second step to the end of the one before last). Default: the embedded model (CPU or CUDA:
 --e2e-model embedded); a 7B-shape config with --e2e-load-format dummy on the GPU.
 
 Writes benchmarks/results/sampling_mask_<device>.json and .png.
@@ -226,13 +226,13 @@ def e2e(args, device: str) -> list[dict]:
     for batch in args.e2e_batches:
         run(batch, True)  # warm-up: first use of this batch size
         on, off, on_decode, off_decode, kept = [], [], [], [], 0.0
-        for _ in range(args.e2e_reps):
-            tok_s, decode_tok_s, kept = run(batch, True)
-            on.append(tok_s)
-            on_decode.append(decode_tok_s)
-            tok_s, decode_tok_s, _ = run(batch, False)
-            off.append(tok_s)
-            off_decode.append(decode_tok_s)
+        for rep in range(args.e2e_reps):
+            # Each side goes first in every other pair, so neither always follows the other.
+            for mask in (True, False) if rep % 2 == 0 else (False, True):
+                tok_s, decode_tok_s, kept_ids = run(batch, mask)
+                (on if mask else off).append(tok_s)
+                (on_decode if mask else off_decode).append(decode_tok_s)
+                kept = kept_ids if mask else kept
         row = dict(batch=batch, vocab=vocab, mask_on_tok_s=statistics.median(on),
                    mask_off_tok_s=statistics.median(off), on_runs=on, off_runs=off,
                    mask_on_decode_tok_s=statistics.median(on_decode),
