@@ -153,6 +153,32 @@ class ModelRunner:
             self.guided = GuidedRuntime(config.model, self.model_config.vocab_size,
                                         list(self.model_config.eos_token_ids), config.grammar_compile_timeout_s,
                                         config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser)
+        if rank == 0:  # the rank that samples
+            self._warm_up_sampler()
+
+    def _warm_up_sampler(self) -> None:
+        """Samples a few made-up rows of every kind once before serving: greedy, truncating
+        (peaked and flat logits), plain, with logprobs; with and without sampling masks where
+        they are on, and a step of greedy rows alone.
+
+        On CUDA the sampler's Triton kernels compile here instead of inside the first
+        requests' steps, and what compiling leaves on the heap is among the start-up objects the
+        process then freezes out of the garbage collector's walks (`startup_heap`). Every row
+        has a seeded generator of its own: the global random state is left as it was."""
+        v = self.model_config.vocab_size
+        params = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.95, logprobs=1),
+                  SamplingParams(top_p=0.95), SamplingParams(top_k=50, top_p=0.9), SamplingParams()]
+        gen = torch.Generator(self.device).manual_seed(0)
+        logits = torch.randn(len(params), v, generator=gen, device=self.device) * 4.0
+        logits[2] *= 0.1  # flat: its top-p set outgrows the prefilter's candidates
+        masks = (False, True) if self.config.enable_keep_sampling_mask else (False,)
+        batches = [(params, mask) for mask in masks] + [(params[:1] * 2, True)] * (len(masks) - 1)
+        for rows, mask in batches:
+            states = [WorkerSequence([0], p, mask, torch.Generator(self.device).manual_seed(i))
+                      for i, p in enumerate(rows)]
+            self.sampler(logits[:len(rows)], self._sampling_metadata(states), settle_kept_sets=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def info(self) -> WorkerInfo:
