@@ -1,0 +1,131 @@
+"""Garbage-collector passes the sampling mask adds to the engine's token processing.
+
+    python benchmarks/mask_gc.py [--batch 256] [--ids-per-token 100000] [--steps 64] [--reps 3]
+        [--hold]
+
+One "run" is --steps calls of `TokenProcessor.process` on the same packed frame of --batch
+sequences (one token each), with every sequence asking for its sampling mask or none of them,
+after `gc.freeze()` of everything built before. Per run: wall ms, and the collections of each
+generation with the time spent in them (`gc.callbacks`). --hold keeps every step's deltas
+alive until the run ends, as a server does until it has written them; by default they are
+dropped after each step, as the offline benchmark does.
+
+Writes benchmarks/results/mask_gc.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy.ops.step_packer import pack_step_slots_tensor  # noqa: E402
+from fastdeploy.output.step_slots import StepSlots  # noqa: E402
+from fastdeploy.output.token_processor import TokenProcessor  # noqa: E402
+from fastdeploy.scheduler.sequence import Sequence  # noqa: E402
+
+
+def packed_frame(batch: int, ids_per_token: int, mask: bool) -> memoryview:
+    slots = StepSlots(message_id=1, seq_ids=torch.arange(batch), accept_counts=torch.ones(batch, dtype=torch.int32),
+                      token_ids=torch.randint(3, 1000, (batch, 1)), num_logprobs=-1)
+    if mask:
+        slots.mask_offsets = torch.arange(batch + 1, dtype=torch.int32) * ids_per_token
+        slots.mask_ids = torch.randint(0, 150_000, (batch * ids_per_token,), dtype=torch.int32)
+        slots.logz = torch.zeros(batch, 1)
+    return memoryview(pack_step_slots_tensor(slots).numpy())
+
+
+class Collections:
+    """Counts the collector's passes by generation, and the time spent in them."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def reset(self) -> None:
+        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
+
+
+def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, collections: Collections) -> dict:
+    params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    sequences = {i: Sequence(i, f"r{i}", list(range(16)), params, 0.0, return_sampling_mask=mask)
+                 for i in range(batch)}
+    processor = TokenProcessor([2], 10**6)
+    held = []
+    collections.reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        results = processor.process(frame, sequences)
+        if hold:
+            held.append(results)
+    ms = (time.perf_counter() - t0) * 1e3
+    return {"ms": ms, "gen0": collections.count[0], "gen1": collections.count[1], "gen2": collections.count[2],
+            "gc_ms": sum(collections.seconds) * 1e3}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    labels = ["mask off", "mask on"]
+    for ax, key, title in ((axes[0], "gen0", "young collections per run"), (axes[1], "ms", "ms per run")):
+        ax.bar(labels, [next(r[key] for r in rows if r["mask"] == m) for m in (False, True)], color=["C0", "C1"])
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--ids-per-token", type=int, default=100_000)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hold", action="store_true", help="keep every step's deltas until the run ends")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="mask_gc")
+    args = ap.parse_args()
+    info, _ = machine_with_device(torch.device("cpu"), args.threads)
+    frames = {mask: packed_frame(args.batch, args.ids_per_token, mask) for mask in (False, True)}
+    collections = Collections()
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)  # a normal heap for teardown code that looks for leaks (Triton's)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.reps):
+        for mask in (False, True):
+            runs[mask].append(run(frames[mask], args.batch, args.steps, mask, args.hold, collections))
+    rows = []
+    for mask in (False, True):
+        row = {"mask": mask, "batch": args.batch, "steps": args.steps, "hold": args.hold}
+        for key in ("ms", "gen0", "gen1", "gen2", "gc_ms"):
+            row[key] = statistics.median(r[key] for r in runs[mask])
+        rows.append(row)
+    print_table(rows, ["mask", "batch", "steps", "hold", "ms", "gen0", "gen1", "gen2", "gc_ms"])
+    print(write_json(args.name, {"benchmark": "mask_gc", "machine": info, "args": vars(args), "rows": rows,
+                                 "runs": {str(m): r for m, r in runs.items()}}))
+    plot(rows, png_path(args.name))
+    print(png_path(args.name))
+
+
+if __name__ == "__main__":
+    main()
