@@ -171,8 +171,10 @@ class ModelRunner:
         gen = torch.Generator(self.device).manual_seed(0)
         logits = torch.randn(len(params), v, generator=gen, device=self.device) * 4.0
         logits[2] *= 0.1  # flat: its top-p set outgrows the prefilter's candidates
-        masks = (False, True) if self.config.enable_keep_sampling_mask else (False,)
-        batches = [(params, mask) for mask in masks] + [(params[:1] * 2, True)] * (len(masks) - 1)
+        batches = [(params, False)]
+        if self.config.enable_keep_sampling_mask:
+            # Masked rows of every kind, and a step whose masked rows are all greedy (no kept sets).
+            batches += [(params, True), (params[:1] * 2, True)]
         for rows, mask in batches:
             states = [WorkerSequence([0], p, mask, torch.Generator(self.device).manual_seed(i))
                       for i, p in enumerate(rows)]
