@@ -14,7 +14,8 @@ which the engine cuts the previous step's masks when the step runs beside it, on
 The start-up heap is frozen out
 of garbage collection first, as the serving processes do.
 
-Per phase: ms per step in the median run (by step wall time). Per run: the median and
+Per phase: ms per step in the median run (by step wall time), with the garbage collector's
+time inside the steps as phases of their own ("gc: generation N"). Per run: the median and
 the mean step wall time, which differ when some steps stall.
 
 Writes benchmarks/results/step_phases_<device>.json and .png.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import os
 import statistics
 import sys
@@ -94,6 +96,25 @@ def _timed(fn: Callable, label: str, totals: dict[str, float]) -> Callable:
     return wrapper
 
 
+class CollectorTime:
+    """Adds the garbage collector's time inside a step to that step's phases, as
+    "gc: generation N" (collections run wherever an allocation triggers them)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] | None = None
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.totals is not None:
+            self.totals[f"gc: generation {info['generation']}"] += time.perf_counter() - self._start
+
+
+COLLECTOR_TIME = CollectorTime()
+
+
 def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
     """One batch decoded to the end; the steady steps' wall times and per-phase host ms."""
     from fastdeploy.engine.request import EngineRequest
@@ -109,10 +130,12 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
     per_step: list[dict[str, float]] = []
     while engine.has_work():
         totals: dict[str, float] = defaultdict(float)
+        COLLECTOR_TIME.totals = totals
         with timed_phases(totals):
             start = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - start)
+        COLLECTOR_TIME.totals = None
         per_step.append(totals)
     # The first steps hold the prefill; the last ones drain the deferred masks.
     steady = slice(WARMUP_STEPS, len(walls) - TAIL_STEPS)
@@ -124,11 +147,12 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
 
 
 def plot(rows: list[dict], device_name: str, path: str) -> None:
-    """Stacked top-level phases per run (nested ones, "a: b: c", and the worker's "execute: ..."
-    are left out, as their parents hold them), then the rest of the median step."""
+    """Stacked top-level phases per run (nested ones, "a: b: c", the worker's "execute: ..."
+    and the collector's "gc: ..." are left out, as the phases they ran in hold them), then the
+    rest of the median step."""
     plt = pyplot()
     labels = sorted({label for r in rows for label in r["phases_ms"]
-                     if not label.startswith("execute") and label.count(":") == 1})
+                     if not label.startswith(("execute", "gc:")) and label.count(":") == 1})
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 2.5))
     names = [f"B={r['batch']} mask {'on' if r['mask'] else 'off'}" for r in rows]
     left = [0.0] * len(rows)
