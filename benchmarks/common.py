@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
 import socket
 import subprocess
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
@@ -56,6 +58,27 @@ def machine_info() -> dict[str, Any]:
         "llama_cpp_python": _version("llama_cpp"),
         "git_commit": commit,
     }
+
+
+class CollectorWatch:
+    """The cyclic garbage collector's passes by generation, and the seconds spent in them,
+    counted from creation on (`gc.callbacks`); callers difference two `snapshot()`s."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def snapshot(self) -> tuple[list[int], list[float]]:
+        return list(self.count), list(self.seconds)
 
 
 def machine_with_device(device: torch.device, threads: int) -> tuple[dict[str, Any], str]:

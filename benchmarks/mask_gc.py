@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import CollectorWatch, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.ops.step_packer import pack_step_slots_tensor  # noqa: E402
 from fastdeploy.output.step_slots import StepSlots  # noqa: E402
@@ -45,41 +45,23 @@ def packed_frame(batch: int, ids_per_token: int, mask: bool) -> memoryview:
     return memoryview(pack_step_slots_tensor(slots).numpy())
 
 
-class Collections:
-    """Counts the collector's passes by generation, and the time spent in them."""
-
-    def __init__(self) -> None:
-        self.count = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
-        self._start = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.count[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self._start
-
-    def reset(self) -> None:
-        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
-
-
-def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, collections: Collections) -> dict:
+def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, watch: CollectorWatch) -> dict:
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     sequences = {i: Sequence(i, f"r{i}", list(range(16)), params, 0.0, return_sampling_mask=mask)
                  for i in range(batch)}
     processor = TokenProcessor([2], 10**6)
     held = []
-    collections.reset()
+    count0, seconds0 = watch.snapshot()
     t0 = time.perf_counter()
     for _ in range(steps):
         results = processor.process(frame, sequences)
         if hold:
             held.append(results)
     ms = (time.perf_counter() - t0) * 1e3
-    return {"ms": ms, "gen0": collections.count[0], "gen1": collections.count[1], "gen2": collections.count[2],
-            "gc_ms": sum(collections.seconds) * 1e3}
+    count, seconds = watch.snapshot()
+    passes = [n - n0 for n, n0 in zip(count, count0)]
+    return {"ms": ms, "gen0": passes[0], "gen1": passes[1], "gen2": passes[2],
+            "gc_ms": (sum(seconds) - sum(seconds0)) * 1e3}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -106,14 +88,14 @@ def main() -> None:
     args = ap.parse_args()
     info, _ = machine_with_device(torch.device("cpu"), args.threads)
     frames = {mask: packed_frame(args.batch, args.ids_per_token, mask) for mask in (False, True)}
-    collections = Collections()
+    watch = CollectorWatch()
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)  # a normal heap for teardown code that looks for leaks (Triton's)
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.reps):
         for mask in (False, True):
-            runs[mask].append(run(frames[mask], args.batch, args.steps, mask, args.hold, collections))
+            runs[mask].append(run(frames[mask], args.batch, args.steps, mask, args.hold, watch))
     rows = []
     for mask in (False, True):
         row = {"mask": mask, "batch": args.batch, "steps": args.steps, "hold": args.hold}

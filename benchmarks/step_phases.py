@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, png_path, print_machine, print_table, pyplot, write_json
+from common import CollectorWatch, machine_info, png_path, print_machine, print_table, pyplot, write_json
 
 WARMUP_STEPS = 3
 TAIL_STEPS = 2
@@ -96,23 +95,9 @@ def _timed(fn: Callable, label: str, totals: dict[str, float]) -> Callable:
     return wrapper
 
 
-class CollectorTime:
-    """Adds the garbage collector's time inside a step to that step's phases, as
-    "gc: generation N" (collections run wherever an allocation triggers them)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] | None = None
-        self._start = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self.totals is not None:
-            self.totals[f"gc: generation {info['generation']}"] += time.perf_counter() - self._start
-
-
-COLLECTOR_TIME = CollectorTime()
+# The garbage collector's time inside a step goes into that step's phases as "gc: generation N"
+# (a collection runs wherever an allocation triggers it).
+COLLECTOR = CollectorWatch()
 
 
 def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
@@ -130,12 +115,15 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
     per_step: list[dict[str, float]] = []
     while engine.has_work():
         totals: dict[str, float] = defaultdict(float)
-        COLLECTOR_TIME.totals = totals
+        _, gc_before = COLLECTOR.snapshot()
         with timed_phases(totals):
             start = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - start)
-        COLLECTOR_TIME.totals = None
+        _, gc_after = COLLECTOR.snapshot()
+        for generation, (after, before) in enumerate(zip(gc_after, gc_before)):
+            if after > before:
+                totals[f"gc: generation {generation}"] += after - before
         per_step.append(totals)
     # The first steps hold the prefill; the last ones drain the deferred masks.
     steady = slice(WARMUP_STEPS, len(walls) - TAIL_STEPS)
