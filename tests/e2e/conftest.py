@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -58,6 +59,12 @@ class ServerLauncher:
             raise self.failed.pop(name)
         return self.ready.pop(name)
 
+    def serve(self, name: str) -> Iterator[RunningServer]:
+        """A fixture's body: the server `name`, stopped when the fixture ends."""
+        srv = self.take(name)
+        yield srv
+        srv.stop()
+
     def stop_all(self) -> None:
         for srv in self.ready.values():
             srv.stop()
@@ -74,16 +81,12 @@ def server_launcher(request):
 
 @pytest.fixture(scope="package")
 def server(server_launcher):
-    srv = server_launcher.take("server")
-    yield srv
-    srv.stop()
+    yield from server_launcher.serve("server")
 
 
 @pytest.fixture(scope="package")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    return server.openai_client()
 
 
 @pytest.fixture

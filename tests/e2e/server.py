@@ -49,6 +49,13 @@ class RunningServer:
         if wait:
             self.wait_ready()
 
+    def openai_client(self):
+        """An `openai.OpenAI` client of this server (its API key, or any where none is set)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", timeout=120,
+                             max_retries=0)
+
     def wait_ready(self) -> None:
         deadline = self.started_at + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:

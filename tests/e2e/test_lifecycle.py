@@ -16,16 +16,12 @@ BODY = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": Tru
 # Each test takes its own server down; the two start together (conftest.py, `ServerLauncher`).
 @pytest.fixture
 def killed_worker_server(server_launcher):
-    srv = server_launcher.take("killed_worker_server")
-    yield srv
-    srv.stop()
+    yield from server_launcher.serve("killed_worker_server")
 
 
 @pytest.fixture
 def sigterm_server(server_launcher):
-    srv = server_launcher.take("sigterm_server")
-    yield srv
-    srv.stop()
+    yield from server_launcher.serve("sigterm_server")
 
 
 def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_up(killed_worker_server):

@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import API_KEY, MODEL
+from tests.e2e.conftest import MODEL
 from tests.reasoning.fewshot import CHAT_MESSAGES, CHOICES
 
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": CHOICES}}, "required": ["answer"],
@@ -22,16 +22,12 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": 
 @pytest.fixture(scope="module")
 def reasoning_server(server_launcher):
     """`--reasoning-parser think` (its arguments: conftest.py, SERVERS)."""
-    srv = server_launcher.take("reasoning_server")
-    yield srv
-    srv.stop()
+    yield from server_launcher.serve("reasoning_server")
 
 
 @pytest.fixture(scope="module")
 def reasoning_client(reasoning_server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{reasoning_server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    return reasoning_server.openai_client()
 
 
 def chat(client, **extra):

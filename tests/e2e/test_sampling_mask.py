@@ -14,16 +14,12 @@ CHAT = [{"role": "user", "content": "Write a line about the sea."}]
 @pytest.fixture(scope="module")
 def mask_server(server_launcher):
     """`--enable-keep-sampling-mask` (its arguments: conftest.py, SERVERS)."""
-    srv = server_launcher.take("mask_server")
-    yield srv
-    srv.stop()
+    yield from server_launcher.serve("mask_server")
 
 
 @pytest.fixture(scope="module")
 def mask_client(mask_server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{mask_server.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return mask_server.openai_client()
 
 
 def check_aligned(masks, logz, token_ids, max_size=None, greedy=False, untruncated=False):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from tests.e2e.conftest import SPEC_API_KEY as API_KEY
 from tests.e2e.server import RunningServer
 
 RECORD = '{"name": "Alice Smith", "age": 30, "city": "Paris", "tags": ["admin", "editor"], "active": true}'
@@ -14,13 +12,11 @@ RECORD = '{"name": "Alice Smith", "age": 30, "city": "Paris", "tags": ["admin", 
 @pytest.fixture(scope="module")
 def spec_server(server_launcher):
     """ngram drafts, 4 a step, with sampling masks (its arguments: conftest.py, SERVERS)."""
-    srv = server_launcher.take("spec_server")
-    yield srv
-    srv.stop()
+    yield from server_launcher.serve("spec_server")
 
 
 def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(spec_server, client):
-    spec_client = openai.OpenAI(base_url=f"{spec_server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    spec_client = spec_server.openai_client()
     messages = [{"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]
     kwargs = dict(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=48, logprobs=True,
                   top_logprobs=2)
