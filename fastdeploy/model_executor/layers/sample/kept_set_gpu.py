@@ -52,6 +52,7 @@ buffer sized by the caller, so that path reads nothing back.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -81,6 +82,11 @@ GREEDY_SLOT = -2  # a greedy row's entry in the sampling mask's row slots (-1: a
 # Launch shape of the row kernel over a prefilter's candidates (rows of at most its CAP).
 COMPACT_BLOCK = 256
 COMPACT_WARPS = 4
+# Launch shapes of the CSR compaction (see `_compact_split`).
+COMPACT_ROW_BLOCK = 4096
+COMPACT_PART_BLOCK = 2048
+COMPACT_MAX_PARTS = 16
+COMPACT_WARPS_PER_PROGRAM = 8
 # Rows at most this many times the prefilter's candidate cap go straight to the row kernel.
 PREFILTER_MIN_SHRINK = 2
 
@@ -502,28 +508,41 @@ if triton is not None:
 
     @triton.jit
     def _compact_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, off_ptr, ids_ptr, cx_ptr, cid_ptr, CAP, n_ptr, src_ptr,
-                        CANDIDATE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        """Writes the kept ids of each row, ascending, at ids[offsets[row]:]. With
-        CANDIDATE_ROWS, a row with src[row] >= 0 is read from that row of a prefilter's
-        candidates (in id order) instead of its logits."""
+                        CHUNK, CANDIDATE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """Writes the kept ids of each row, ascending, at ids[offsets[row]:]. Program (row, part)
+        writes the ids of logits [part * CHUNK, (part + 1) * CHUNK), after counting the kept ones
+        before its chunk (a read of the row's head, to spread a small batch over the SMs). With
+        CANDIDATE_ROWS, a row with src[row] >= 0 is read by part 0 from that row of a prefilter's
+        candidates (in id order) instead of its logits. Empty rows are not read."""
         row = tl.program_id(0).to(tl.int64)
-        bv = tl.load(bv_ptr + row)
-        bid = tl.load(bid_ptr + row)
+        part = tl.program_id(1)
         base = tl.load(off_ptr + row).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        src = tl.load(src_ptr + row).to(tl.int64) if CANDIDATE_ROWS else -1
-        if src >= 0:
-            n = tl.load(n_ptr + src)
-            for i in range(0, n, BLOCK):
-                q = i + offs
-                x = tl.load(cx_ptr + src * CAP + q, mask=q < n, other=float("-inf"))
-                o = tl.load(cid_ptr + src * CAP + q, mask=q < n, other=0)
-                base = _write_kept(ids_ptr, base, x, o, q < n, bv, bid)
-        else:
-            for i in range(0, V, BLOCK):
-                o = i + offs
-                x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
-                base = _write_kept(ids_ptr, base, x, o, o < V, bv, bid)
+        if tl.load(off_ptr + row + 1) > base:
+            bv = tl.load(bv_ptr + row)
+            bid = tl.load(bid_ptr + row)
+            offs = tl.arange(0, BLOCK)
+            src = tl.load(src_ptr + row).to(tl.int64) if CANDIDATE_ROWS else -1
+            if src >= 0:
+                if part == 0:
+                    n = tl.load(n_ptr + src)
+                    for i in range(0, n, BLOCK):
+                        q = i + offs
+                        x = tl.load(cx_ptr + src * CAP + q, mask=q < n, other=float("-inf"))
+                        o = tl.load(cid_ptr + src * CAP + q, mask=q < n, other=0)
+                        base = _write_kept(ids_ptr, base, x, o, q < n, bv, bid)
+            else:
+                lo = part * CHUNK
+                before = tl.zeros([BLOCK], dtype=tl.int32)
+                for i in range(0, tl.minimum(lo, V), BLOCK):
+                    o = i + offs
+                    x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
+                    before += (_keep(x, o, bv, bid) & (o < V)).to(tl.int32)
+                base += tl.sum(before, axis=0)
+                hi = tl.minimum(lo + CHUNK, V)
+                for i in range(lo, hi, BLOCK):
+                    o = i + offs
+                    x = tl.load(x_ptr + row * stride + o, mask=o < hi, other=float("-inf"))
+                    base = _write_kept(ids_ptr, base, x, o, o < hi, bv, bid)
 
     @triton.jit
     def _write_kept(ids_ptr, base, x, o, valid, bv, bid):
@@ -690,11 +709,14 @@ def candidate_rows(pf: prefilter_module.Candidates) -> torch.Tensor:
 
 
 def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int,
-            candidates: tuple[prefilter_module.Candidates, torch.Tensor] | None = None) -> torch.Tensor:
+            candidates: tuple[prefilter_module.Candidates, torch.Tensor] | None = None,
+            launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """int32 [total] kept ids of every row, ascending, at ``offsets`` (one launch).
 
     candidates: a prefilter's rows and, per row of ``proc``, the candidate row to read
-    (-1: its logits); by default ``b.candidates`` row for row."""
+    (-1: its logits); by default ``b.candidates`` row for row.
+    launch: (programs per row, logits per loop step, warps) instead of `_compact_split`'s
+    choice (benchmarks/mask_compaction.py compares them)."""
     x = proc if proc.stride(1) == 1 else proc.contiguous()
     r, v = x.shape
     ids = torch.empty(total, dtype=torch.int32, device=x.device)
@@ -707,9 +729,31 @@ def compact(proc: torch.Tensor, b: KeptBounds, offsets: torch.Tensor, total: int
     else:
         pf, src = candidates
         args = (pf.x, pf.ids, pf.x.shape[1], pf.count, src)
-    _compact_kernel[(r,)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, *args,
-                          CANDIDATE_ROWS=candidates is not None, BLOCK=2 * BLOCK, num_warps=4)
+    parts, block, warps = launch or (*_compact_split(r, v, x.device), COMPACT_WARPS_PER_PROGRAM)
+    chunk = triton.cdiv(triton.cdiv(v, parts), block) * block
+    _compact_kernel[(r, parts)](x, x.stride(0), v, b.value, b.last_id, offsets, ids, *args, chunk,
+                                CANDIDATE_ROWS=candidates is not None, BLOCK=block, num_warps=warps)
     return ids
+
+
+def _compact_split(rows: int, v: int, device: torch.device) -> tuple[int, int]:
+    """(programs per row, logits per loop step) of the compaction. On an H100
+    (benchmarks/mask_compaction.py) one program per row with 4,096-logit steps is fastest
+    from about one row per SM up; fewer rows are split into chunks of 2,048-logit steps,
+    about two programs per SM, each recounting the kept logits before its chunk."""
+    sms = _multiprocessors(device)
+    if rows >= sms:
+        return 1, COMPACT_ROW_BLOCK
+    return max(1, min(COMPACT_MAX_PARTS, triton.cdiv(2 * sms, rows), triton.cdiv(v, COMPACT_PART_BLOCK))), \
+        COMPACT_PART_BLOCK
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for CPU tensors (Triton's interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kept_set_csr(proc, temperature, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,141 @@
+"""Device time of the sampling mask's CSR compaction (`kept_set_gpu.compact`) by launch shape.
+
+    python benchmarks/mask_compaction.py [--batches 1 32 64 256] [--vocabs 49152 151936] [--calls 20]
+
+The compaction writes every row's kept ids, ascending, from its kept bounds: one read of
+the row's logits (or of its prefilter candidates) and one write of its ids. Rows are
+drawn as N(0, s^2) logits with top_p = 0.95: s = 4 ("peaked": a few hundred ids kept,
+read from the prefilter's candidates), s = 1 ("flat": ~74 % of the vocabulary kept) and
+s = 0.3 ("near-uniform": ~91 %, what dummy weights give). Launch shapes, as
+(programs per row, logits per loop step, warps):
+
+* before: (1, 1024, 4), the shape before the split;
+* rows: (1, 4096, 8), one program per row;
+* split: (up to 16, 2048, 8), about two programs per SM over a small batch;
+* chosen: what `kept_set_gpu._compact_split` picks for the batch.
+
+device_us is one call's device time with `--calls` calls queued behind a sleep kernel
+(so the host's launch time is not in it), median of 5. floor_us is the bytes read and
+written at the device's copy bandwidth (measured with a 1 GiB device-to-device copy).
+Needs CUDA. Writes benchmarks/results/mask_compaction.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from fastdeploy.model_executor.layers.sample import kept_set_gpu  # noqa: E402
+
+SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100: longer than the host takes to queue the calls
+SCALES = {"peaked": 4.0, "flat": 1.0, "near-uniform": 0.3}
+
+
+def shapes(rows: int, v: int, device: torch.device) -> dict[str, tuple[int, int, int]]:
+    sms = kept_set_gpu._multiprocessors(device)
+    split_parts = max(1, min(kept_set_gpu.COMPACT_MAX_PARTS, -(-2 * sms // rows)))
+    chosen = (*kept_set_gpu._compact_split(rows, v, device), kept_set_gpu.COMPACT_WARPS_PER_PROGRAM)
+    return {"before": (1, 1024, 4), "rows": (1, 4096, 8), "split": (split_parts, 2048, 8), "chosen": chosen}
+
+
+def device_ms(fn, calls: int) -> float:
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = device_ms(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def plot(rows: list[dict], names: list[str], device_name: str, path: str) -> None:
+    plt = pyplot()
+    kinds = list(dict.fromkeys(r["logits"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 3.8))
+    axes = list(axes) if len(kinds) > 1 else [axes]
+    for ax, kind in zip(axes, kinds):
+        sel = [r for r in rows if r["logits"] == kind]
+        xs = range(len(sel))
+        width = 0.8 / (len(names) + 1)
+        for i, name in enumerate(names + ["floor"]):
+            ax.bar([x + (i - len(names) / 2) * width for x in xs], [r[f"{name}_us"] for r in sel], width, label=name)
+        ax.set_xticks(list(xs), [f"B={r['batch']}\nV={r['vocab']}" for r in sel], fontsize=7)
+        ax.set_title(kind, fontsize=9)
+        ax.set_ylabel(f"device µs per compaction ({device_name})", fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 256])
+    ap.add_argument("--vocabs", type=int, nargs="+", default=[49152, 151936])
+    ap.add_argument("--logits", nargs="+", default=list(SCALES), choices=list(SCALES))
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--name", default="mask_compaction")
+    args = ap.parse_args()
+    if not (torch.cuda.is_available() and kept_set_gpu.uses_fast_path(torch.device("cuda"))):
+        sys.exit("mask_compaction.py needs CUDA and Triton")
+    device = torch.device("cuda")
+    info, device_name = machine_with_device(device, 2)
+    bandwidth = copy_bandwidth(device)
+    print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    rows, names = [], list(shapes(1, 1, device))
+    for kind in args.logits:
+        for v in args.vocabs:
+            for b in args.batches:
+                gen = torch.Generator(device=device).manual_seed(b)
+                x = torch.randn(b, v, device=device, generator=gen) * SCALES[kind]
+                ones, zeros = torch.ones(b, device=device), torch.zeros(b, device=device)
+                bounds = kept_set_gpu.kept_bounds(x, ones, torch.zeros(b, dtype=torch.int64, device=device),
+                                                  torch.full((b,), 0.95, device=device), zeros)
+                offsets = kept_set_gpu._offsets(bounds.count)
+                total = int(offsets[-1])
+                reference = kept_set_gpu.compact(x, bounds, offsets, total, launch=(1, 1024, 4))
+                row = {"logits": kind, "batch": b, "vocab": v, "ids_per_row": total // b}
+                for name, launch in shapes(b, v, device).items():
+                    out = kept_set_gpu.compact(x, bounds, offsets, total, launch=launch)
+                    if not torch.equal(out, reference):
+                        raise AssertionError(f"{name} {launch} wrote other ids than the reference launch")
+                    call = functools.partial(kept_set_gpu.compact, x, bounds, offsets, total, launch=launch)
+                    row[f"{name}_us"] = 1e3 * device_ms(call, args.calls)
+                    row[f"{name}_launch"] = list(launch)
+                read = b * v * 4 if bounds.candidates is None else int(bounds.candidates.full_row.sum()) * v * 4
+                row["floor_us"] = (read + total * 4) / bandwidth * 1e6
+                row["speedup_chosen_vs_before"] = row["before_us"] / row["chosen_us"]
+                rows.append(row)
+                print(f"{kind} B={b} V={v}: " + "  ".join(f"{n} {row[f'{n}_us']:.1f}" for n in names)
+                      + f"  floor {row['floor_us']:.1f} us", flush=True)
+    print_table(rows, ["logits", "batch", "vocab", "ids_per_row", *[f"{n}_us" for n in names], "floor_us",
+                       "speedup_chosen_vs_before"])
+    print(write_json(args.name, {"benchmark": "mask_compaction", "machine": info, "args": vars(args),
+                                 "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows}))
+    plot(rows, names, device_name, png_path(args.name))
+    print(png_path(args.name))
+
+
+if __name__ == "__main__":
+    main()
