@@ -18,6 +18,12 @@ Per phase: ms per step in the median run (by step wall time), with the garbage c
 time inside the steps as phases of their own ("gc: generation N"). Per run: the median and
 the mean step wall time, which differ when some steps stall.
 
+With --device-timeline (CUDA), one more run per side and batch decodes under the torch
+profiler, and its steady steps are read off the device's own timeline: per step, the time
+the compute stream is busy, the time the copy stream (the mask ids' transfer) is busy, the
+union of the two, and the device's idle time (the host's serial part of the step), plus the
+kernels whose device time the mask adds.
+
 Writes benchmarks/results/step_phases_<device>.json and .png.
 """
 
@@ -134,6 +140,62 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
             "max_step_ms": 1e3 * max(walls), "phases_ms": phases}
 
 
+def device_timeline(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
+    """One batch decoded to the end, its steady steps profiled: device ms per step by stream
+    ("compute" holds the most kernel time), busy (their union), idle, and kernel ms by name."""
+    from fastdeploy.engine.request import EngineRequest
+    from fastdeploy.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=1.0, top_p=top_p,
+                            ignore_eos=True, return_sampling_mask=mask)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(batch):
+        prompt = torch.randint(100, 30000, (16,), generator=g).tolist()
+        engine.add_request(EngineRequest(f"{seed}-{i}", prompt, params, time.time()))
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    for step in range(steps + WARMUP_STEPS + TAIL_STEPS + 1):
+        if step == WARMUP_STEPS:
+            torch.cuda.synchronize()
+            profiler.start()
+        engine.step()
+        if step == WARMUP_STEPS + steps - 1:
+            torch.cuda.synchronize()
+            profiler.stop()
+    while engine.has_work():
+        engine.step()
+    device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start, end = busy + end - start, s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    window = max(e for _, e in spans) - spans[0][0]
+    by_stream: dict[int, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in device:
+        by_stream[e.device_resource_id] += e.time_range.elapsed_us()
+        by_name[e.name[:80]] += e.time_range.elapsed_us()
+    streams = sorted(by_stream.values(), reverse=True)
+    per_step = 1e-3 / steps  # µs over the run -> ms per step
+    return {"compute_ms": streams[0] * per_step, "other_streams_ms": sum(streams[1:]) * per_step,
+            "busy_ms": busy * per_step, "idle_ms": (window - busy) * per_step,
+            "kernels_ms": {name: us * per_step for name, us in by_name.items()}}
+
+
+def print_device_timeline(rows: list[dict]) -> None:
+    print_table(rows, ["batch", "mask", "compute_ms", "other_streams_ms", "busy_ms", "idle_ms"])
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        on = next(r["kernels_ms"] for r in rows if r["batch"] == batch and r["mask"])
+        off = next(r["kernels_ms"] for r in rows if r["batch"] == batch and not r["mask"])
+        added = sorted(((on.get(k, 0.0) - off.get(k, 0.0), k) for k in on.keys() | off.keys()), reverse=True)
+        print(f"\nB={batch}: device ms per step the mask adds, by kernel (largest 6)")
+        for ms, name in added[:6]:
+            print(f"  {ms:+8.3f}  {name}")
+
+
 def plot(rows: list[dict], device_name: str, path: str) -> None:
     """Stacked top-level phases per run (nested ones, "a: b: c", the worker's "execute: ..."
     and the collector's "gc: ..." are left out, as the phases they ran in hold them), then the
@@ -168,6 +230,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device-timeline", action="store_true",
+                    help="CUDA: also profile one run per side and batch on the device's timeline")
     ap.add_argument("--name", default=None, help="result file stem (default step_phases_<device>)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -189,7 +253,7 @@ def main() -> None:
     engine = EngineCore(config, InProcessExecutor(config))
     freeze_startup_heap("benchmark")
     seeds = iter(range(10**9))
-    rows = []
+    rows, timeline = [], []
     for batch in args.batches:
         for mask in (True, False):  # first use of this batch size: graphs, kernels, pinned blocks
             run_batch(engine, batch, mask, 8, args.top_p, next(seeds))
@@ -202,6 +266,10 @@ def main() -> None:
             median_run = by_wall[len(by_wall) // 2]
             rows.append({"batch": batch, "mask": mask, **median_run,
                          "run_median_step_ms": [r["median_step_ms"] for r in runs[mask]]})
+        if args.device_timeline and device.type == "cuda":
+            for mask in (True, False):
+                timeline.append({"batch": batch, "mask": mask,
+                                 **device_timeline(engine, batch, mask, args.steps, args.top_p, next(seeds))})
     engine.shutdown()
 
     print_table(rows, ["batch", "mask", "median_step_ms", "mean_step_ms", "max_step_ms"])
@@ -210,8 +278,11 @@ def main() -> None:
               + ", ".join(f"{ms:.2f}" for ms in row["run_median_step_ms"]) + " ms")
         for label, ms in sorted(row["phases_ms"].items()):
             print(f"  {label:<36} {ms:8.3f} ms/step")
+    if timeline:
+        print_device_timeline(timeline)
     name = args.name or f"step_phases_{device.type}"
-    print(write_json(name, {"benchmark": "step_phases", "machine": info, "args": vars(args), "rows": rows}))
+    print(write_json(name, {"benchmark": "step_phases", "machine": info, "args": vars(args), "rows": rows,
+                            "device_timeline": timeline}))
     plot(rows, info["device"], png_path(name))
     print(png_path(name))
 
