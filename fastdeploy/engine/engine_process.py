@@ -24,6 +24,7 @@ from fastdeploy.engine.request import (
 )
 from fastdeploy.engine.sampling_params import ParameterError
 from fastdeploy.ipc import endpoint, process_alive, socket
+from fastdeploy.output.sampling_masks import encode_buffers
 from fastdeploy.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int) -> None:
     ctx = zmq.Context()
     in_sock = socket(ctx, zmq.PULL, endpoint(ipc_dir, "engine_in"), bind=True)
     out_sock = socket(ctx, zmq.PUSH, endpoint(ipc_dir, "engine_out"), bind=True)
-    encoder = msgspec.msgpack.Encoder()
+    encoder = msgspec.msgpack.Encoder(enc_hook=encode_buffers)  # deltas' sampling masks
     executor = None
     try:
         try:

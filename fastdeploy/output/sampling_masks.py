@@ -3,10 +3,19 @@
 A token's kept set can hold thousands of vocabulary ids, and every generated token has one.
 Turning them into Python lists per step in the engine costs far more than computing them,
 so they travel as two little-endian int32 byte buffers (msgpack carries each as one binary
-blob) and become lists only where a response is written. The buffers are memoryviews: a step's
-runs are views of the worker's frame, not copies of it, and a decoded message's runs are views
-of the message. Whoever keeps a run past the step (a whole response being accumulated) takes
-its own copy with `owned()`, so no frame stays alive for one request's sake.
+blob) and become lists only where a response is written. A step's runs are views of the
+worker's frame, not copies of it, and a decoded message's runs are views of the message.
+Whoever keeps a run past the step (a whole response being accumulated) takes its own copy
+with `owned()`, so no frame stays alive for one request's sake.
+
+The engine's buffers are flat uint8 numpy arrays; decoded ones are memoryviews (format "B").
+Both are byte buffers with the same length and slicing, so every method takes either. The
+engine uses numpy because the garbage collector does not track numpy arrays, while it tracks
+every memoryview. With two memoryviews per masked delta, 64 steps at batch 256 whose deltas
+stay alive (as a server's do until written) ran 141 young collections with masks against 71
+without; with numpy buffers, 111 (`benchmarks/mask_gc.py --hold`). The rest is each delta's
+logZ list. `encode_buffers` is the encoders' hook that sends the numpy buffers as msgpack
+binary.
 
 Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row means null
 (the whole vocabulary): a kept set is never empty, a greedy row holds its argmax.
@@ -21,20 +30,32 @@ import msgspec
 import numpy as np
 
 _I32 = np.dtype("<i4")
-_EMPTY_OFFSETS = memoryview(np.zeros(1, dtype=_I32).tobytes())
-_NO_IDS = memoryview(b"")
 
 
-def _view(data: bytes | np.ndarray) -> memoryview:
-    """A flat byte view (format "B") of `data`, which it keeps alive."""
-    return memoryview(data).cast("B")
+def _view(data: bytes | np.ndarray) -> np.ndarray:
+    """A flat uint8 view of `data`'s bytes, which it keeps alive (an untracked object)."""
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+_EMPTY_OFFSETS = _view(np.zeros(1, dtype=_I32))
+_NO_IDS = _view(b"")
+
+
+def encode_buffers(obj: object) -> memoryview:
+    """msgspec `enc_hook`: a numpy byte buffer of a `SamplingMasks` goes out as msgpack binary."""
+    if isinstance(obj, np.ndarray):
+        return memoryview(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # gc=False: the engine builds one per masked delta per step, and as tracked objects they
     # doubled the garbage collector's passes over a masked run (116 vs 59 young collections
-    # in 64 steps at batch 256). They hold only memoryviews of buffers, which never refer back
-    # to them, so they cannot close a reference cycle.
+    # in 64 steps at batch 256). They hold only byte buffers, which never refer back to them,
+    # so they cannot close a reference cycle.
+    # Declared as memoryview, the type they decode to; the engine's are uint8 arrays (above).
     offsets: memoryview = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
     ids: memoryview = _NO_IDS  # int32 LE [offsets[n]], each row's ids sorted
 
@@ -44,11 +65,18 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
         lengths = np.fromiter((0 if m is None else len(m) for m in masks), dtype=np.int64, count=len(masks))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(_I32)
         ids = [i for m in masks if m for i in m]
-        return cls(_view(offsets.tobytes()), _view(np.asarray(ids, dtype=_I32).tobytes()))
+        return cls(_view(offsets), _view(np.asarray(ids, dtype=_I32)))
 
     def owned(self) -> SamplingMasks:
         """The same rows in buffers of their own (one copy), holding no frame or message alive."""
         return SamplingMasks(_view(bytes(self.offsets)), _view(bytes(self.ids)))
+
+    def __eq__(self, other: object) -> bool:
+        """Same rows: compares the buffers' bytes (numpy's == would compare element-wise)."""
+        if not isinstance(other, SamplingMasks):
+            return NotImplemented
+        return (np.array_equal(np.frombuffer(self.offsets, np.uint8), np.frombuffer(other.offsets, np.uint8))
+                and np.array_equal(np.frombuffer(self.ids, np.uint8), np.frombuffer(other.ids, np.uint8)))
 
     def offsets_array(self) -> np.ndarray:
         return np.frombuffer(self.offsets, dtype=_I32)
