@@ -43,7 +43,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprob_token_ids: list[list[int]] | None = None
     ranks: list[int] | None = None
     sampling_mask: SamplingMasks | None = None
-    logz: list[float] | None = None
+    # float32 LE [len(token_ids)]: each token's logZ, a byte buffer like the masks' (see
+    # fastdeploy/output/sampling_masks.py; `logz_values` gives the floats).
+    logz: memoryview | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from fastdeploy.engine.request import RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
-from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks
+from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, logz_values
 
 
 @dataclass
@@ -164,7 +164,7 @@ class RequestOutputState:
             token_ids=delta.token_ids,
             logprobs=self._logprob_entries(delta),
             sampling_masks=delta.sampling_mask,
-            sampling_logz=delta.logz,
+            sampling_logz=logz_values(delta.logz),
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             error=delta.error,
@@ -181,4 +181,5 @@ def _first_tokens(delta: RequestDelta, n: int) -> RequestDelta:
     return msgspec.structs.replace(
         delta, token_ids=delta.token_ids[:n], logprobs=cut(delta.logprobs),
         logprob_token_ids=cut(delta.logprob_token_ids), ranks=cut(delta.ranks),
-        sampling_mask=None if delta.sampling_mask is None else delta.sampling_mask.head(n), logz=cut(delta.logz))
+        sampling_mask=None if delta.sampling_mask is None else delta.sampling_mask.head(n),
+        logz=None if delta.logz is None else delta.logz[:4 * n])  # float32 bytes

@@ -11,11 +11,11 @@ with `owned()`, so no frame stays alive for one request's sake.
 The engine's buffers are flat uint8 numpy arrays; decoded ones are memoryviews (format "B").
 Both are byte buffers with the same length and slicing, so every method takes either. The
 engine uses numpy because the garbage collector does not track numpy arrays, while it tracks
-every memoryview. With two memoryviews per masked delta, 64 steps at batch 256 whose deltas
-stay alive (as a server's do until written) ran 141 young collections with masks against 71
-without; with numpy buffers, 111 (`benchmarks/mask_gc.py --hold`). The rest is each delta's
-logZ list. `encode_buffers` is the encoders' hook that sends the numpy buffers as msgpack
-binary.
+every memoryview and list. With two memoryviews and a logZ list per masked delta, 64 steps
+at batch 256 whose deltas stay alive (as a server's do until written) ran 141 young
+collections with masks against 71 without (`benchmarks/mask_gc.py --hold`). A delta's logZ
+is such a byte buffer too (float32; `logz_values` gives the floats). `encode_buffers` is the
+encoders' hook that sends the numpy buffers as msgpack binary.
 
 Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row means null
 (the whole vocabulary): a kept set is never empty, a greedy row holds its argmax.
@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 _I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
 
 
 def _view(data: bytes | np.ndarray) -> np.ndarray:
@@ -41,6 +42,16 @@ def _view(data: bytes | np.ndarray) -> np.ndarray:
 
 _EMPTY_OFFSETS = _view(np.zeros(1, dtype=_I32))
 _NO_IDS = _view(b"")
+
+
+def logz_buffer(logz: np.ndarray) -> np.ndarray:
+    """A delta's logZ buffer: the float32 LE bytes of `logz` (a view when it is float32)."""
+    return _view(np.ascontiguousarray(logz, dtype=_F32))
+
+
+def logz_values(buf: np.ndarray | memoryview | None) -> list[float] | None:
+    """The floats of a delta's logZ buffer (None stays None)."""
+    return None if buf is None else np.frombuffer(buf, dtype=_F32).tolist()
 
 
 def encode_buffers(obj: object) -> memoryview:

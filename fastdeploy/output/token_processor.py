@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.sampling_masks import split_runs
+from fastdeploy.output.sampling_masks import logz_buffer, split_runs
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
@@ -116,8 +116,9 @@ class TokenProcessor:
         counts = frame.num_tokens.tolist()
         runs = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         starts = frame.num_tokens.cumsum().tolist()
-        logz = frame.logz.tolist()
+        logz = logz_buffer(frame.logz)
+        size = 4  # bytes per float32 logZ
         for masked in applied.masked:
             start = starts[masked.run] - counts[masked.run]
             masked.delta.sampling_mask = runs[masked.run].head(masked.kept)
-            masked.delta.logz = logz[start:start + masked.kept]
+            masked.delta.logz = logz[start * size:(start + masked.kept) * size]

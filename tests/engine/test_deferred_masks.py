@@ -18,6 +18,7 @@ from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.output.sampling_masks import logz_values
 from fastdeploy.output.step_frame import unpack_step_frame
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.worker.step_input import StepInput
@@ -136,9 +137,9 @@ def _run(core: EngineCore, abort_after: dict[str, int] | None = None) -> tuple[d
                 tokens += d.token_ids
                 if d.sampling_mask is not None:
                     rows = d.sampling_mask.to_lists()
-                    assert len(rows) == len(d.token_ids) == len(d.logz)
+                    assert len(rows) == len(d.token_ids) == len(logz_values(d.logz))
                     masks += rows
-                    logz += d.logz
+                    logz += logz_values(d.logz)
                 if d.finish_reason is not None:
                     out[d.request_id] = (tokens, masks, logz, d.finish_reason)
                 elif abort_after and len(tokens) >= abort_after.get(d.request_id, 1 << 30):

@@ -12,7 +12,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.formatting import extra_fields
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
-from fastdeploy.output.sampling_masks import SamplingMasks, encode_buffers
+from fastdeploy.output.sampling_masks import SamplingMasks, encode_buffers, logz_values
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
 from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.sequence import Sequence
@@ -44,9 +44,9 @@ def test_token_processor_cuts_masks_at_the_finishing_token_and_drops_opted_out_r
     out = {seq.seq_id: delta for seq, delta in TokenProcessor([0], 512).process(frame, sequences)}
     assert out[1].token_ids == [10, 11, stop] and out[1].finish_reason == "stop"
     assert out[1].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]
-    assert out[1].logz == pytest.approx([0.0, -0.1, -0.2])
+    assert logz_values(out[1].logz) == pytest.approx([0.0, -0.1, -0.2])
     assert out[2].sampling_mask is None and out[2].logz is None
-    assert out[3].sampling_mask.to_lists() == [] and out[3].logz == []
+    assert out[3].sampling_mask.to_lists() == [] and logz_values(out[3].logz) == []
     # what the API server receives (encoded as the engine process does)
     raw = msgspec.msgpack.Encoder(enc_hook=encode_buffers).encode(EngineOutputs([out[1]]))
     back = msgspec.msgpack.decode(raw, type=EngineOutputs)

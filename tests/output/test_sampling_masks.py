@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastdeploy.engine.request import EngineOutputs, RequestDelta
-from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, encode_buffers, split_runs
+from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, encode_buffers, logz_buffer, logz_values, split_runs
 
 MASKS = [[3, 10], None, [12], [0, 1, 2, 49151], None]
 
@@ -78,11 +78,13 @@ def test_head_matches_list_slice(n: int):
 def test_msgpack_round_trip_inside_a_delta():
     rng = np.random.default_rng(1)
     lists = random_masks(rng, 40)
-    delta = RequestDelta("r-0", list(range(40)), sampling_mask=SamplingMasks.from_lists(lists), logz=[-0.5] * 40)
+    delta = RequestDelta("r-0", list(range(40)), sampling_mask=SamplingMasks.from_lists(lists),
+                         logz=logz_buffer(np.full(40, -0.5, dtype=np.float32)))
     raw = msgspec.msgpack.Encoder(enc_hook=encode_buffers).encode(EngineOutputs([delta, RequestDelta("r-1", [5])]))
     back = msgspec.msgpack.decode(raw, type=EngineOutputs)
     assert back.deltas[0].sampling_mask.to_lists() == lists
     assert back.deltas[0].sampling_mask == delta.sampling_mask
+    assert logz_values(back.deltas[0].logz) == [-0.5] * 40
     assert back.deltas[1].sampling_mask is None
     # the ids and offsets travel as binary blobs, byte for byte
     assert delta.sampling_mask.ids in raw and delta.sampling_mask.offsets in raw

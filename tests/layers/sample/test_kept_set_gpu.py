@@ -25,6 +25,7 @@ from fastdeploy.model_executor.layers.sample.metadata import RowGroups
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler, process_logits
 from fastdeploy.model_executor.layers.sample.truncation import KeptSet
+from fastdeploy.output.sampling_masks import logz_values
 
 LOGZ_TOL = 1e-5
 TEMPS = [0.3, 0.7, 1.0, 1.0, 1.5]
@@ -414,7 +415,7 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
                     tokens, masks, logz = out.setdefault(delta.request_id, ([], [], []))
                     tokens.extend(delta.token_ids)
                     masks.extend(delta.sampling_mask.to_lists())
-                    logz.extend(delta.logz)
+                    logz.extend(logz_values(delta.logz))
         finally:
             core.shutdown()
         return [out[f"r{i}"] for i in range(len(mixes))]
