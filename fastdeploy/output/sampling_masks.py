@@ -13,9 +13,10 @@ Both are byte buffers with the same length and slicing, so every method takes ei
 engine uses numpy because the garbage collector does not track numpy arrays, while it tracks
 every memoryview and list. With two memoryviews and a logZ list per masked delta, 64 steps
 at batch 256 whose deltas stay alive (as a server's do until written) ran 141 young
-collections with masks against 71 without (`benchmarks/mask_gc.py --hold`). A delta's logZ
-is such a byte buffer too (float32; `logz_values` gives the floats). `encode_buffers` is the
-encoders' hook that sends the numpy buffers as msgpack binary.
+collections with masks against 71 without (`benchmarks/mask_gc.py --hold`); with numpy
+buffers, 70. A delta's logZ is such a byte buffer too (float32; `logz_values` gives the
+floats). `encode_buffers` is the encoders' hook that sends the numpy buffers as msgpack
+binary.
 
 Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row means null
 (the whole vocabulary): a kept set is never empty, a greedy row holds its argmax.

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from fastdeploy.engine.request import EngineOutputs, RequestDelta
-from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, encode_buffers, logz_buffer, logz_values, split_runs
+from fastdeploy.output.sampling_masks import (
+    SamplingMasks,
+    concat_masks,
+    encode_buffers,
+    logz_buffer,
+    logz_values,
+    split_runs,
+)
 
 MASKS = [[3, 10], None, [12], [0, 1, 2, 49151], None]
 
