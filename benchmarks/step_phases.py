@@ -106,8 +106,8 @@ def _timed(fn: Callable, label: str, totals: dict[str, float]) -> Callable:
 COLLECTOR = CollectorWatch()
 
 
-def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
-    """One batch decoded to the end; the steady steps' wall times and per-phase host ms."""
+def add_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> None:
+    """Adds `batch` requests of 16 random prompt tokens that decode `steps` steady steps."""
     from fastdeploy.engine.request import EngineRequest
     from fastdeploy.engine.sampling_params import SamplingParams
 
@@ -117,6 +117,11 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
     for i in range(batch):
         prompt = torch.randint(100, 30000, (16,), generator=g).tolist()
         engine.add_request(EngineRequest(f"{seed}-{i}", prompt, params, time.time()))
+
+
+def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
+    """One batch decoded to the end; the steady steps' wall times and per-phase host ms."""
+    add_batch(engine, batch, mask, steps, top_p, seed)
     walls: list[float] = []
     per_step: list[dict[str, float]] = []
     while engine.has_work():
@@ -143,15 +148,7 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
 def device_timeline(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> dict:
     """One batch decoded to the end, its steady steps profiled: device ms per step by stream
     ("compute" holds the most kernel time), busy (their union), idle, and kernel ms by name."""
-    from fastdeploy.engine.request import EngineRequest
-    from fastdeploy.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=1.0, top_p=top_p,
-                            ignore_eos=True, return_sampling_mask=mask)
-    g = torch.Generator().manual_seed(seed)
-    for i in range(batch):
-        prompt = torch.randint(100, 30000, (16,), generator=g).tolist()
-        engine.add_request(EngineRequest(f"{seed}-{i}", prompt, params, time.time()))
+    add_batch(engine, batch, mask, steps, top_p, seed)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     for step in range(steps + WARMUP_STEPS + TAIL_STEPS + 1):
         if step == WARMUP_STEPS:
