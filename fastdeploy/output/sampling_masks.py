@@ -8,15 +8,16 @@ worker's frame, not copies of it, and a decoded message's runs are views of the 
 Whoever keeps a run past the step (a whole response being accumulated) takes its own copy
 with `owned()`, so no frame stays alive for one request's sake.
 
-The engine's buffers are flat uint8 numpy arrays; decoded ones are memoryviews (format "B").
-Both are byte buffers with the same length and slicing, so every method takes either. The
-engine uses numpy because the garbage collector does not track numpy arrays, while it tracks
-every memoryview and list. With two memoryviews and a logZ list per masked delta, 64 steps
-at batch 256 whose deltas stay alive (as a server's do until written) ran 141 young
-collections with masks against 71 without (`benchmarks/mask_gc.py --hold`); with numpy
-buffers, 70. A delta's logZ is such a byte buffer too (float32; `logz_values` gives the
-floats). `encode_buffers` is the encoders' hook that sends the numpy buffers as msgpack
-binary.
+In the engine the small buffers (a run's offsets, a delta's logZ) are bytes cut from one
+copy per step, and a run's ids are a flat uint8 numpy view of the frame; decoded buffers
+are memoryviews (format "B"). All are byte buffers with the same length and slicing, so
+every method takes any of them. The engine avoids memoryviews and lists because the garbage
+collector tracks them and tracks neither bytes nor numpy arrays: with two memoryviews and a
+logZ list per masked delta, 64 steps at batch 256 whose deltas stay alive (as a server's do
+until written) ran 141 young collections with masks against 71 without
+(`benchmarks/mask_gc.py --hold`); now 70. A delta's logZ is float32 bytes (`logz_values`
+gives the floats). `encode_buffers` is the encoders' hook that sends the numpy views as
+msgpack binary.
 
 Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row means null
 (the whole vocabulary): a kept set is never empty, a greedy row holds its argmax.
@@ -34,29 +35,22 @@ _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
 
-def _view(data: bytes | np.ndarray) -> np.ndarray:
-    """A flat uint8 view of `data`'s bytes, which it keeps alive (an untracked object)."""
-    if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(data, dtype=np.uint8)
+_EMPTY_OFFSETS = np.zeros(1, dtype=_I32).tobytes()
+_NO_IDS = b""
 
 
-_EMPTY_OFFSETS = _view(np.zeros(1, dtype=_I32))
-_NO_IDS = _view(b"")
+def logz_buffer(logz: np.ndarray) -> bytes:
+    """The float32 LE bytes of a step's logZ, which deltas slice (4 bytes per token)."""
+    return np.ascontiguousarray(logz, dtype=_F32).tobytes()
 
 
-def logz_buffer(logz: np.ndarray) -> np.ndarray:
-    """A delta's logZ buffer: the float32 LE bytes of `logz` (a view when it is float32)."""
-    return _view(np.ascontiguousarray(logz, dtype=_F32))
-
-
-def logz_values(buf: np.ndarray | memoryview | None) -> list[float] | None:
+def logz_values(buf: bytes | memoryview | None) -> list[float] | None:
     """The floats of a delta's logZ buffer (None stays None)."""
     return None if buf is None else np.frombuffer(buf, dtype=_F32).tolist()
 
 
 def encode_buffers(obj: object) -> memoryview:
-    """msgspec `enc_hook`: a numpy byte buffer of a `SamplingMasks` goes out as msgpack binary."""
+    """msgspec `enc_hook`: a run's numpy view of its ids goes out as msgpack binary."""
     if isinstance(obj, np.ndarray):
         return memoryview(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
@@ -67,7 +61,7 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # doubled the garbage collector's passes over a masked run (116 vs 59 young collections
     # in 64 steps at batch 256). They hold only byte buffers, which never refer back to them,
     # so they cannot close a reference cycle.
-    # Declared as memoryview, the type they decode to; the engine's are uint8 arrays (above).
+    # Declared as memoryview, the type they decode to; the engine's are bytes / numpy (above).
     offsets: memoryview = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
     ids: memoryview = _NO_IDS  # int32 LE [offsets[n]], each row's ids sorted
 
@@ -77,11 +71,11 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
         lengths = np.fromiter((0 if m is None else len(m) for m in masks), dtype=np.int64, count=len(masks))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(_I32)
         ids = [i for m in masks if m for i in m]
-        return cls(_view(offsets), _view(np.asarray(ids, dtype=_I32)))
+        return cls(offsets.tobytes(), np.asarray(ids, dtype=_I32).tobytes())
 
     def owned(self) -> SamplingMasks:
         """The same rows in buffers of their own (one copy), holding no frame or message alive."""
-        return SamplingMasks(_view(bytes(self.offsets)), _view(bytes(self.ids)))
+        return SamplingMasks(bytes(self.offsets), bytes(self.ids))
 
     def __eq__(self, other: object) -> bool:
         """Same rows: compares the buffers' bytes (numpy's == would compare element-wise)."""
@@ -137,8 +131,7 @@ def concat_masks(runs: Sequence[SamplingMasks]) -> SamplingMasks:
         offsets = run.offsets_array()
         parts.append(offsets[1:] + base)
         base += int(offsets[-1])
-    return SamplingMasks(_view(np.concatenate(parts).astype(_I32, copy=False).tobytes()),
-                         _view(b"".join(r.ids for r in runs)))
+    return SamplingMasks(np.concatenate(parts).astype(_I32, copy=False).tobytes(), b"".join(r.ids for r in runs))
 
 
 def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> list[SamplingMasks]:
@@ -153,8 +146,8 @@ def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> l
     first_entry = np.cumsum(entries) - entries
     rows = np.repeat(starts - first_entry, entries) + np.arange(int(entries.sum()), dtype=np.int64)
     offsets64 = offsets.astype(np.int64)
-    table = _view((offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32))
-    id_bytes = _view(np.ascontiguousarray(ids, dtype=_I32))
+    table = (offsets64[rows] - np.repeat(offsets64[starts], entries)).astype(_I32).tobytes()
+    id_bytes = np.ascontiguousarray(ids, dtype=_I32).reshape(-1).view(np.uint8)
     # Byte bounds of every run's table entries and ids, computed in numpy: the loop only slices.
     size = _I32.itemsize
     ends = starts + counts64

@@ -119,6 +119,9 @@ class TokenProcessor:
         logz = logz_buffer(frame.logz)
         size = 4  # bytes per float32 logZ
         for masked in applied.masked:
-            start = starts[masked.run] - counts[masked.run]
-            masked.delta.sampling_mask = runs[masked.run].head(masked.kept)
+            count = counts[masked.run]
+            start = starts[masked.run] - count
+            run = runs[masked.run]
+            # Most deltas keep their whole run; `head` is the cut at a finishing token.
+            masked.delta.sampling_mask = run if masked.kept == count else run.head(masked.kept)
             masked.delta.logz = logz[start * size:(start + masked.kept) * size]
