@@ -8,7 +8,9 @@ sequences (one token each), with every sequence asking for its sampling mask or 
 after `gc.freeze()` of everything built before. Per run: wall ms, and the collections of each
 generation with the time spent in them (`gc.callbacks`). --hold keeps every step's deltas
 alive until the run ends, as a server does until it has written them; by default they are
-dropped after each step, as the offline benchmark does.
+dropped after each step, as the offline benchmark does. Then, with the collector off,
+apply_us and attach_us: the median µs per step of the two stages of `process`
+(`TokenProcessor.apply`, `TokenProcessor.attach_masks`) over --stage-calls calls.
 
 Writes benchmarks/results/mask_gc.json and .png.
 """
@@ -64,6 +66,33 @@ def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, watch
             "gc_ms": (sum(seconds) - sum(seconds0)) * 1e3}
 
 
+def stage_us(frame: memoryview, batch: int, mask: bool, calls: int) -> tuple[float, float]:
+    """Median µs of `TokenProcessor.apply` and of `attach_masks` per step, the collector off
+    (the two stages' own cost, which the engine places apart: see token_processor.py)."""
+    params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    sequences = {i: Sequence(i, f"r{i}", list(range(16)), params, 0.0, return_sampling_mask=mask)
+                 for i in range(batch)}
+    processor = TokenProcessor([2], 10**6)
+    apply_s, attach_s = [], []
+    gc.disable()
+    try:
+        for call in range(calls + 50):  # 50 warm-up calls
+            if call % 50 == 0:
+                for seq in sequences.values():
+                    seq.output_token_ids.clear()
+            t0 = time.perf_counter()
+            applied = processor.apply(frame, sequences)
+            t1 = time.perf_counter()
+            processor.attach_masks(applied)
+            t2 = time.perf_counter()
+            if call >= 50:
+                apply_s.append(t1 - t0)
+                attach_s.append(t2 - t1)
+    finally:
+        gc.enable()
+    return 1e6 * statistics.median(apply_s), 1e6 * statistics.median(attach_s)
+
+
 def plot(rows: list[dict], path: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -83,6 +112,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hold", action="store_true", help="keep every step's deltas until the run ends")
+    ap.add_argument("--stage-calls", type=int, default=350,
+                    help="calls timed per side for apply_us / attach_us (collector off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="mask_gc")
     args = ap.parse_args()
@@ -101,8 +132,10 @@ def main() -> None:
         row = {"mask": mask, "batch": args.batch, "steps": args.steps, "hold": args.hold}
         for key in ("ms", "gen0", "gen1", "gen2", "gc_ms"):
             row[key] = statistics.median(r[key] for r in runs[mask])
+        row["apply_us"], row["attach_us"] = stage_us(frames[mask], args.batch, mask, args.stage_calls)
         rows.append(row)
-    print_table(rows, ["mask", "batch", "steps", "hold", "ms", "gen0", "gen1", "gen2", "gc_ms"])
+    print_table(rows, ["mask", "batch", "steps", "hold", "ms", "gen0", "gen1", "gen2", "gc_ms", "apply_us",
+                       "attach_us"])
     print(write_json(args.name, {"benchmark": "mask_gc", "machine": info, "args": vars(args), "rows": rows,
                                  "runs": {str(m): r for m, r in runs.items()}}))
     plot(rows, png_path(args.name))
