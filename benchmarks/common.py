@@ -139,6 +139,13 @@ def pyplot():
     return plt
 
 
+def finish_bar_axis(ax, ylabel: str) -> None:
+    """The bar charts' axis finish: a small label and legend, a light horizontal grid."""
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

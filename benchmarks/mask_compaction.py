@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import finish_bar_axis, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.model_executor.layers.sample import kept_set_gpu  # noqa: E402
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100: longer than the host takes to queue the calls
@@ -82,9 +82,7 @@ def plot(rows: list[dict], names: list[str], device_name: str, path: str) -> Non
             ax.bar([x + (i - len(names) / 2) * width for x in xs], [r[f"{name}_us"] for r in sel], width, label=name)
         ax.set_xticks(list(xs), [f"B={r['batch']}\nV={r['vocab']}" for r in sel], fontsize=7)
         ax.set_title(kind, fontsize=9)
-        ax.set_ylabel(f"device µs per compaction ({device_name})", fontsize=8)
-        ax.legend(fontsize=7)
-        ax.grid(True, axis="y", alpha=0.3)
+        finish_bar_axis(ax, f"device µs per compaction ({device_name})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import finish_bar_axis, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata  # noqa: E402
 from fastdeploy.model_executor.layers.sample.sampler import Sampler  # noqa: E402
@@ -93,9 +93,7 @@ def plot(rows: list[dict], device_name: str, path: str) -> None:
         ax.bar([i - 0.2 for i in xs], [r[f"off_{key}"] for r in rows], 0.4, label="mask off")
         ax.bar([i + 0.2 for i in xs], [r[f"on_{key}"] for r in rows], 0.4, label="mask on")
         ax.set_xticks(list(xs), labels, fontsize=7)
-        ax.set_ylabel(f"{key.replace('_ms', '')} ms per sampler call ({device_name})", fontsize=8)
-        ax.legend(fontsize=7)
-        ax.grid(True, axis="y", alpha=0.3)
+        finish_bar_axis(ax, f"{key.replace('_ms', '')} ms per sampler call ({device_name})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
