@@ -42,8 +42,9 @@ candidates keep the full-row kernel.
 
 From the boundary, `_compact_kernel` writes the CSR ids straight from the logits, or from a
 cut row's candidates (no dense mask), after one exclusive cumsum of the counts and one small
-device->host copy (total ids and whether any row was flagged) that sizes the output.
-The sampler's draw needs the dense mask: `_mask_kernel` writes it in one pass,
+device->host copy (total ids and whether any row was flagged) that sizes the output. A
+batch of fewer rows than SMs has each full row split into chunks written side by side
+(`_compact_split`). The sampler's draw needs the dense mask: `_mask_kernel` writes it in one pass,
 without any host sync. For the sampling mask the sampler's CSR covers every row of the batch:
 `_mask_rows_kernel` settles each row's bounds (a truncating row's kept prefix, a greedy row's
 argmax and its logZ, an empty row otherwise) before the cumsum and the compaction, into a
