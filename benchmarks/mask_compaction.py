@@ -40,8 +40,7 @@ SCALES = {"peaked": 4.0, "flat": 1.0, "near-uniform": 0.3}
 
 
 def shapes(rows: int, v: int, device: torch.device) -> dict[str, tuple[int, int, int]]:
-    sms = kept_set_gpu._multiprocessors(device)
-    split_parts = max(1, min(kept_set_gpu.COMPACT_MAX_PARTS, -(-2 * sms // rows)))
+    split_parts = kept_set_gpu._compact_parts(rows, v, device)
     chosen = (*kept_set_gpu._compact_split(rows, v, device), kept_set_gpu.COMPACT_WARPS_PER_PROGRAM)
     return {"before": (1, 1024, 4), "rows": (1, 4096, 8), "split": (split_parts, 2048, 8), "chosen": chosen}
 

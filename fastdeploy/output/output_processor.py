@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from fastdeploy.engine.request import RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
-from fastdeploy.output.sampling_masks import SamplingMasks, concat_masks, logz_values
+from fastdeploy.output.sampling_masks import LOGZ_BYTES, SamplingMasks, concat_masks, logz_values
 
 
 @dataclass
@@ -182,4 +182,4 @@ def _first_tokens(delta: RequestDelta, n: int) -> RequestDelta:
         delta, token_ids=delta.token_ids[:n], logprobs=cut(delta.logprobs),
         logprob_token_ids=cut(delta.logprob_token_ids), ranks=cut(delta.ranks),
         sampling_mask=None if delta.sampling_mask is None else delta.sampling_mask.head(n),
-        logz=None if delta.logz is None else delta.logz[:4 * n])  # float32 bytes
+        logz=None if delta.logz is None else delta.logz[:LOGZ_BYTES * n])

@@ -33,6 +33,7 @@ import numpy as np
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+LOGZ_BYTES = _F32.itemsize  # per token in a logZ buffer
 
 
 _EMPTY_OFFSETS = np.zeros(1, dtype=_I32).tobytes()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.sampling_masks import logz_buffer, split_runs
+from fastdeploy.output.sampling_masks import LOGZ_BYTES, logz_buffer, split_runs
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
@@ -117,11 +117,10 @@ class TokenProcessor:
         runs = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         starts = frame.num_tokens.cumsum().tolist()
         logz = logz_buffer(frame.logz)
-        size = 4  # bytes per float32 logZ
         for masked in applied.masked:
             count = counts[masked.run]
             start = starts[masked.run] - count
             run = runs[masked.run]
             # Most deltas keep their whole run; `head` is the cut at a finishing token.
             masked.delta.sampling_mask = run if masked.kept == count else run.head(masked.kept)
-            masked.delta.logz = logz[start * size:(start + masked.kept) * size]
+            masked.delta.logz = logz[start * LOGZ_BYTES:(start + masked.kept) * LOGZ_BYTES]

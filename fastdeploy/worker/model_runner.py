@@ -527,7 +527,7 @@ class ModelRunner:
             logprobs_mode=self.config.logprobs_mode,
             return_sampling_mask=mask,
             row_groups=RowGroups(g_rows, t_rows, p_rows, tuple(g.tolist() for g in groups), mask_slots=slots,
-                                 truncated_top_k=top_k[groups[1]].tolist() if mask is not None else None),
+                                 truncated_top_k=top_k[groups[1]] if mask is not None else None),
         )
 
 

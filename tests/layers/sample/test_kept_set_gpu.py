@@ -319,7 +319,7 @@ def _runner_row_groups(t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: to
     slots[groups[0]] = ksg.GREEDY_SLOT
     slots[groups[1]] = torch.arange(groups[1].numel(), dtype=torch.int32)
     return RowGroups(*groups, tuple(g.tolist() for g in groups), mask_slots=slots,
-                     truncated_top_k=k[groups[1]].tolist())
+                     truncated_top_k=k[groups[1]].numpy())
 
 
 def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) -> None:

@@ -742,11 +742,15 @@ def _compact_split(rows: int, v: int, device: torch.device) -> tuple[int, int]:
     (benchmarks/mask_compaction.py) one program per row with 4,096-logit steps is fastest
     from about one row per SM up; fewer rows are split into chunks of 2,048-logit steps,
     about two programs per SM, each recounting the kept logits before its chunk."""
-    sms = _multiprocessors(device)
-    if rows >= sms:
+    if rows >= _multiprocessors(device):
         return 1, COMPACT_ROW_BLOCK
-    return max(1, min(COMPACT_MAX_PARTS, triton.cdiv(2 * sms, rows), triton.cdiv(v, COMPACT_PART_BLOCK))), \
-        COMPACT_PART_BLOCK
+    return _compact_parts(rows, v, device), COMPACT_PART_BLOCK
+
+
+def _compact_parts(rows: int, v: int, device: torch.device) -> int:
+    """Chunks per row that put about two programs on each SM (at most COMPACT_MAX_PARTS)."""
+    parts = min(COMPACT_MAX_PARTS, triton.cdiv(2 * _multiprocessors(device), rows), triton.cdiv(v, COMPACT_PART_BLOCK))
+    return max(1, parts)
 
 
 @functools.cache

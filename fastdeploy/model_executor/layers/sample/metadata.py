@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -23,9 +24,9 @@ class RowGroups:
     # int32 [B]: each row's index in `truncated`, GREEDY_SLOT (-2) if greedy, -1 if plain. The
     # CUDA sampling-mask kernel reads it; None when no row wants a mask.
     mask_slots: torch.Tensor | None = None
-    # The truncating rows' top_k on the host (0 = off): a row keeps at most top_k ids, which
-    # bounds the CUDA mask buffer below rows x vocabulary. None when no row wants a mask.
-    truncated_top_k: list[int] | None = None
+    # int64 [T] on the host: the truncating rows' top_k (0 = off). A row keeps at most top_k
+    # ids, which bounds the CUDA mask buffer below rows x vocabulary. None when no row wants a mask.
+    truncated_top_k: np.ndarray | None = None
 
 
 @dataclass

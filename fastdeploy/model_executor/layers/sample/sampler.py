@@ -13,6 +13,7 @@ depend on its neighbours in the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fastdeploy.model_executor.layers.sample import kept_set_gpu
@@ -133,7 +134,7 @@ def _mask_capacity(meta: SamplingMetadata, v: int, num_truncated: int) -> int:
     top_k = meta.row_groups.truncated_top_k if meta.row_groups is not None else None
     if top_k is None:
         return num_truncated * v
-    return sum(min(k, v) if k > 0 else v for k in top_k)
+    return int(np.where(top_k > 0, np.minimum(top_k, v), v).sum())
 
 
 def _gather_log_probs(lp: torch.Tensor, sampled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
