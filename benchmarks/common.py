@@ -10,6 +10,7 @@ import platform
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
@@ -137,6 +138,26 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ~50 ms on an H100: far longer than the host takes to queue what follows it.
+SLEEP_CYCLES = 100_000_000
+
+
+def queued_device_ms(fn: Callable[[], object], calls: int = 1) -> float:
+    """CUDA: device ms per call of `fn`, with all `calls` calls queued behind a sleep kernel
+    first, so the host's time to issue them is not in it (between two events)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def finish_bar_axis(ax, ylabel: str) -> None:

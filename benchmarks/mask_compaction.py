@@ -32,10 +32,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import finish_bar_axis, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    finish_bar_axis,
+    machine_with_device,
+    png_path,
+    print_table,
+    pyplot,
+    queued_device_ms,
+    write_json,
+)
 from fastdeploy.model_executor.layers.sample import kept_set_gpu  # noqa: E402
 
-SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100: longer than the host takes to queue the calls
 SCALES = {"peaked": 4.0, "flat": 1.0, "near-uniform": 0.3}
 
 
@@ -46,18 +53,8 @@ def shapes(rows: int, v: int, device: torch.device) -> dict[str, tuple[int, int,
 
 
 def device_ms(fn, calls: int) -> float:
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    """Median of 5 `queued_device_ms` measurements."""
+    return statistics.median(queued_device_ms(fn, calls) for _ in range(5))
 
 
 def copy_bandwidth(device: torch.device) -> float:

@@ -31,13 +31,19 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import finish_bar_axis, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    finish_bar_axis,
+    machine_with_device,
+    png_path,
+    print_table,
+    pyplot,
+    queued_device_ms,
+    write_json,
+)
 from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata  # noqa: E402
 from fastdeploy.model_executor.layers.sample.sampler import Sampler  # noqa: E402
 from fastdeploy.worker.model_runner import ModelRunner, WorkerSequence  # noqa: E402
-
-SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100: far longer than the host takes to issue a call
 
 
 def runner_metadata(device: torch.device, b: int, greedy_share: float, mask: bool) -> SamplingMetadata:
@@ -64,14 +70,7 @@ def measure(device: torch.device, logits: torch.Tensor, meta: SamplingMetadata, 
         host.append((time.perf_counter() - t0) * 1e3)
         if not cuda:
             continue
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        sampler(logits, meta)
-        end.record()
-        torch.cuda.synchronize()
-        on_device.append(start.elapsed_time(end))
+        on_device.append(queued_device_ms(lambda: sampler(logits, meta)))
     row = {"host_ms": statistics.median(host), "device_ms": None, "kernels": None}
     if cuda:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CollectorWatch, machine_info, png_path, print_machine, print_table, pyplot, write_json
+from common import CollectorWatch, machine_with_device, png_path, print_table, pyplot, write_json
 
 WARMUP_STEPS = 3
 TAIL_STEPS = 2
@@ -231,17 +231,14 @@ def main() -> None:
                     help="CUDA: also profile one run per side and batch on the device's timeline")
     ap.add_argument("--name", default=None, help="result file stem (default step_phases_<device>)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
 
     from fastdeploy.engine.args import EngineArgs
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
     from fastdeploy.startup_heap import freeze_startup_heap
 
-    info = machine_info()
     device = torch.device(args.device)
-    info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else info["cpu"]
-    print_machine(info)
+    info, _ = machine_with_device(device, args.threads)
     max_b = max(args.batches)
     config = EngineArgs(model=None if args.model == "embedded" else args.model, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, max_num_seqs=max_b, max_model_len=512,
