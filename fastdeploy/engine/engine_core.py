@@ -153,8 +153,7 @@ class EngineCore:
                 # only the last accepted token is new.
                 seq.num_computed_tokens += len(delta.token_ids) - 1
         if applied.masked and (self.executor.runs_beside_engine or output.mask_ids_pending is not None):
-            masked = {id(m.delta) for m in applied.masked}
-            deltas += [delta for _, delta in applied.results if id(delta) not in masked]
+            deltas += applied.unmasked
             self._deferred = DeferredDeltas(output, applied)
         else:
             output.wait_mask_ids()

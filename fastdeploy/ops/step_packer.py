@@ -86,27 +86,15 @@ def pack_step_slots_copying_ids(slots: StepSlots, copy_stream: torch.cuda.Stream
     sampler's own): the frame's mask ids are then `mask_ids[:M]` exactly as they lie.
 
     Returns the pinned frame, its unpacked views and an event, once the head is on the host.
-    The ids are copied in on `copy_stream` by a copy engine (a plain device-to-host copy),
-    so the next step's kernels on the compute stream never queue behind them; wait on the
-    event before reading them.
+    The op itself queues the ids' copy on `copy_stream` (a copy engine, so the next step's
+    kernels on the compute stream never queue behind it) the moment the head lands; wait on
+    the event before reading them.
     """
     load_ops(cuda=True)
-    packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots), False)
-    frame = unpack_step_frame_op(packed)
-    if slots.token_ids.shape[1] != 1 or len(frame.token_ids) != slots.token_ids.shape[0]:
-        raise ValueError("the ids lie in frame order only when every sequence has one accepted slot")
-    num_ids = len(frame.mask_ids)
-    start = frame.mask_ids.ctypes.data - packed.data_ptr()
-    copy_stream.wait_stream(torch.cuda.current_stream(slots.mask_ids.device))  # the ids' compaction
-    with torch.cuda.stream(copy_stream):
-        if num_ids:
-            # A non-blocking copy into pinned memory also tells the pinned pool to keep the
-            # block until the copy is done.
-            packed.narrow(0, start, 4 * num_ids).view(torch.int32).copy_(slots.mask_ids[:num_ids], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-    slots.mask_ids.record_stream(copy_stream)  # the allocator must not reuse it before the copy ends
-    return packed, frame, done
+    packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots), copy_stream.cuda_stream)
+    done = torch.cuda.Event()
+    done.record(copy_stream)
+    return packed, unpack_step_frame_op(packed), done
 
 
 def pack_step_slots_staged(slots: StepSlots) -> torch.Tensor:

@@ -33,12 +33,14 @@ class MaskedRun(msgspec.Struct, gc=False):
 
 @dataclass
 class AppliedStep:
-    """A frame whose tokens are applied: one delta per sequence still running, and the masked
-    ones among them waiting for `TokenProcessor.attach_masks`."""
+    """A frame whose tokens are applied: one delta per sequence still running, split into the
+    masked ones, waiting for `TokenProcessor.attach_masks`, and the rest (so an engine that
+    holds the masked ones back needs no pass over `results` to find the others)."""
 
     frame: StepFrame
     results: list[tuple[Sequence, RequestDelta]] = field(default_factory=list)
     masked: list[MaskedRun] = field(default_factory=list)
+    unmasked: list[RequestDelta] = field(default_factory=list)
 
 
 class TokenProcessor:
@@ -104,6 +106,8 @@ class TokenProcessor:
             # Rows that opted out travel as empty CSR rows; they must not read as "null".
             if has_mask and seq.return_sampling_mask:
                 applied.masked.append(MaskedRun(delta, run, kept))
+            else:
+                applied.unmasked.append(delta)
             applied.results.append((seq, delta))
         return applied
 
