@@ -13,10 +13,9 @@
 // the host, with the mask ids still being written behind it on the same stream: the
 // engine can schedule the next step from the tokens while the bulk of a masked frame
 // crosses PCIe. The caller records an event on the stream and waits on it before it
-// reads the mask ids. Given a copy stream instead, ids that already lie in frame order are
-// brought in by a plain device-to-host copy on it, queued as soon as the head is on the host
-// (a copy engine, off the compute stream's critical path); the caller records its event on
-// that stream.
+// reads the mask ids. With write_mask_ids=false the ids are not written at all: a caller
+// whose ids already lie in frame order copies them in itself (a plain device-to-host
+// copy on a copy stream, off the compute stream's critical path).
 //
 // pack_step_slots_staged is the alternative measured in benchmarks/output_packing.py:
 // the frame is built in device memory, a 64-byte header is read back to learn the size,
@@ -28,7 +27,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CachingHostAllocator.h>
 #include <algorithm>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/block/block_scan.cuh>
 #include <torch/library.h>
@@ -281,34 +279,10 @@ at::Tensor pinned_bytes(int64_t size) {
   return at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
 }
 
-// Once the head is on the host its meta gives the number of mask ids M. When every sequence
-// has one accepted slot over a CSR that starts at 0 (a sampler's own), the frame's ids are
-// mask_ids[:M] exactly as they lie, so one plain device-to-host copy on `copy` (a copy engine,
-// queued behind `head`, itself behind the compaction) brings them in. It is queued here,
-// microseconds after the head lands, not after a round of Python calls.
-void copy_ids_behind_head(const SlotArgs& a, const at::Tensor& host, cudaEvent_t head, cudaStream_t copy) {
-  const int64_t* meta = static_cast<const int64_t*>(host.data_ptr());
-  TORCH_CHECK_VALUE(a.slots == 1 && meta[3] == a.batch,
-                    "the ids lie in frame order only when every sequence has one accepted slot");
-  const int64_t num_ids = meta[4];
-  TORCH_CHECK_VALUE(num_ids >= 0 && num_ids <= a.mask_ids.numel(), "mask_offsets is not a valid CSR over mask_ids");
-  const FrameLayout l = frame_layout(a.batch, meta[3], num_ids, a.k + 1, a.has_lp, a.has_mask);
-  const at::cuda::CUDAStream stream = at::cuda::getStreamFromExternal(copy, a.mask_ids.device().index());
-  FD_CUDA_CHECK(cudaStreamWaitEvent(copy, head, 0));
-  if (num_ids > 0) {
-    FD_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(host.data_ptr()) + l.mask_ids, a.mask_ids.data_ptr(),
-                                  4 * num_ids, cudaMemcpyDeviceToHost, copy));
-  }
-  // Neither the pinned block nor the device ids may be handed out again before the copy ends.
-  at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
-                                                stream.unwrap());
-  c10::cuda::CUDACachingAllocator::recordStream(a.mask_ids.storage().data_ptr(), stream);
-}
-
 // The frame packed straight into pinned memory. `split`: return once the head is on the
-// host, with the mask ids still on their way behind it: written by a kernel on the current
-// stream, or, given a `copy_stream` (a cudaStream_t), copied in on it (copy_ids_behind_head).
-at::Tensor pack_mapped(const SlotArgs& a, bool split, int64_t copy_stream = 0) {
+// host, with the mask-id kernel still writing behind it (pack_step_slots_split), or, without
+// `write_mask_ids`, with the mask ids left for the caller to copy in.
+at::Tensor pack_mapped(const SlotArgs& a, bool split, bool write_mask_ids = true) {
   const c10::cuda::CUDAGuard guard(a.token_ids.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor host = pinned_bytes(largest_frame(a));
@@ -321,20 +295,12 @@ at::Tensor pack_mapped(const SlotArgs& a, bool split, int64_t copy_stream = 0) {
   } else {
     cudaEvent_t head = nullptr;
     FD_CUDA_CHECK(cudaEventCreateWithFlags(&head, cudaEventDisableTiming));
-    launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head, copy_stream == 0);
+    launch_pack(a, static_cast<uint8_t*>(mapped), workspace, stream, head, write_mask_ids);
     // The pinned pool must not hand this block out again before the mask-id kernel is done
     // with it, even if the caller drops the frame without waiting.
     at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
                                                   at::cuda::getCurrentCUDAStream().unwrap());
     const cudaError_t waited = cudaEventSynchronize(head);
-    if (waited == cudaSuccess && copy_stream != 0 && a.has_mask) {
-      try {
-        copy_ids_behind_head(a, host, head, reinterpret_cast<cudaStream_t>(copy_stream));
-      } catch (...) {
-        cudaEventDestroy(head);
-        throw;
-      }
-    }
     FD_CUDA_CHECK(cudaEventDestroy(head));
     FD_CUDA_CHECK(waited);
   }
@@ -357,9 +323,9 @@ at::Tensor pack_step_slots_split_cuda(int64_t message_id, const at::Tensor& seq_
                                       const c10::optional<at::Tensor>& ranks,
                                       const c10::optional<at::Tensor>& mask_offsets,
                                       const c10::optional<at::Tensor>& mask_ids,
-                                      const c10::optional<at::Tensor>& logz, int64_t copy_stream) {
+                                      const c10::optional<at::Tensor>& logz, bool write_mask_ids) {
   return pack_mapped(prepare_slot_args(message_id, seq_ids, accept_counts, token_ids, num_logprobs, lp_ids,
-                                       lp_values, ranks, mask_offsets, mask_ids, logz), true, copy_stream);
+                                       lp_values, ranks, mask_offsets, mask_ids, logz), true, write_mask_ids);
 }
 
 at::Tensor pack_step_slots_staged_cuda(int64_t message_id, const at::Tensor& seq_ids,
@@ -398,7 +364,7 @@ TORCH_LIBRARY_FRAGMENT(fastdeploy_ops, m) {
   m.def(
       "pack_step_slots_split(int message_id, Tensor seq_ids, Tensor accept_counts, Tensor token_ids, "
       "int num_logprobs, Tensor? lp_ids, Tensor? lp_values, Tensor? ranks, Tensor? mask_offsets, "
-      "Tensor? mask_ids, Tensor? logz, int copy_stream=0) -> Tensor");
+      "Tensor? mask_ids, Tensor? logz, bool write_mask_ids=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdeploy_ops, CUDA, m) {

@@ -3,9 +3,9 @@
 A step's tokens are applied as soon as its frame's head is on the host, so the next step is
 scheduled from them. Its masked deltas wait for the next `step()` call when the step runs
 beside this thread (a GPU, or a worker process): they get their sampling masks cut from the
-frame while that next step runs, so the masks' host work stays out of the device's way, and
-on CUDA the mask ids have crossed PCIe by then. No delta of a request overtakes another of
-the same request.
+frame while that next step runs, so the masks' host work stays out of the device's way; on
+CUDA the mask ids cross PCIe then too. No delta of a request overtakes another of the same
+request.
 """
 
 from __future__ import annotations
@@ -162,8 +162,9 @@ class EngineCore:
         return deltas
 
     def _take_deferred(self) -> list[RequestDelta]:
-        """The previous step's masked deltas, their masks attached once the ids are on the host
-        (on CUDA they were queued before the step that runs now, so the wait costs nothing)."""
+        """The previous step's masked deltas, their masks attached once the ids are on the host.
+        On CUDA their copy starts here, with the step that runs now already queued: the copy
+        engine moves them beside its kernels, and the host waits for them inside its time."""
         if self._deferred is None:
             return []
         deferred, self._deferred = self._deferred, None

@@ -19,6 +19,7 @@ import os
 import threading
 import warnings
 
+import numpy as np
 import torch
 
 from fastdeploy.output.step_frame import HAS_LOGPROBS, HAS_MASK, StepFrame
@@ -80,21 +81,63 @@ def pack_step_slots_split(slots: StepSlots) -> torch.Tensor:
     return torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots))
 
 
+class DeferredIdsCopy:
+    """The mask ids of a frame whose head is on the host, still in device memory: they are
+    copied in on a copy stream when first asked for (`start`, or `synchronize`, which waits).
+
+    The copy is not queued with the head: the host's time between the head landing and the
+    next step's launch is time the GPU idles, and queueing a copy costs a round of Python and
+    CUDA calls. The engine asks for the ids once the next step is queued, so the copy engine
+    moves them beside that step's kernels. The ids need no device-side wait: the head, read
+    after the compaction on the same stream, was on the host before this object existed.
+    """
+
+    def __init__(self, frame_bytes: torch.Tensor, frame_ids: np.ndarray, device_ids: torch.Tensor,
+                 copy_stream: torch.cuda.Stream) -> None:
+        self._frame_bytes = frame_bytes
+        self._frame_ids = frame_ids  # the frame's (not yet written) view of the ids
+        self._device_ids = device_ids
+        self._stream = copy_stream
+        self._done: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        """Queue the copy (once)."""
+        if self._done is not None:
+            return
+        num_ids = len(self._frame_ids)
+        offset = self._frame_ids.__array_interface__["data"][0] - self._frame_bytes.data_ptr()
+        with torch.cuda.stream(self._stream):
+            if num_ids:
+                # A non-blocking copy into pinned memory also tells the pinned pool to keep the
+                # block until the copy is done.
+                dest = self._frame_bytes.narrow(0, offset, 4 * num_ids).view(torch.int32)
+                dest.copy_(self._device_ids[:num_ids], non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._device_ids.record_stream(self._stream)  # not reused before the copy ends, even if dropped
+        self._device_ids = None
+
+    def synchronize(self) -> None:
+        """Returns once the ids are in the frame."""
+        self.start()
+        self._done.synchronize()
+
+
 def pack_step_slots_copying_ids(slots: StepSlots, copy_stream: torch.cuda.Stream
-                                ) -> tuple[torch.Tensor, StepFrame, torch.cuda.Event]:
+                                ) -> tuple[torch.Tensor, StepFrame, DeferredIdsCopy]:
     """CUDA, for slots of one accepted slot per sequence over a CSR that starts at 0 (a
     sampler's own): the frame's mask ids are then `mask_ids[:M]` exactly as they lie.
 
-    Returns the pinned frame, its unpacked views and an event, once the head is on the host.
-    The op itself queues the ids' copy on `copy_stream` (a copy engine, so the next step's
-    kernels on the compute stream never queue behind it) the moment the head lands; wait on
-    the event before reading them.
+    Returns the pinned frame, its unpacked views and the ids' pending copy (a plain
+    device-to-host copy on `copy_stream`, a copy engine, so no kernel of a later step queues
+    behind it), once the head is on the host. Synchronize the copy before reading the ids.
     """
     load_ops(cuda=True)
-    packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots), copy_stream.cuda_stream)
-    done = torch.cuda.Event()
-    done.record(copy_stream)
-    return packed, unpack_step_frame_op(packed), done
+    packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots), False)
+    frame = unpack_step_frame_op(packed)
+    if slots.token_ids.shape[1] != 1 or len(frame.token_ids) != slots.token_ids.shape[0]:
+        raise ValueError("the ids lie in frame order only when every sequence has one accepted slot")
+    return packed, frame, DeferredIdsCopy(packed, frame.mask_ids, slots.mask_ids, copy_stream)
 
 
 def pack_step_slots_staged(slots: StepSlots) -> torch.Tensor:

@@ -12,7 +12,8 @@ from fastdeploy.worker.step_input import WorkerEvents
 
 
 class Completion(Protocol):
-    """Something that can be waited for: a `torch.cuda.Event` recorded after the last write."""
+    """Something that can be waited for: a `torch.cuda.Event` recorded after the last write,
+    or the ids' copy that starts when first waited for (`step_packer.DeferredIdsCopy`)."""
 
     def synchronize(self) -> None: ...
 
@@ -22,8 +23,8 @@ class StepOutput:
     frame: FrameBuffer
     events: WorkerEvents
     # On CUDA a masked frame comes back as soon as its head (tokens, counts, logprobs, mask
-    # offsets, logZ) is on the host; its mask ids, most of its bytes, are still being written
-    # behind it until this completes. None: the whole frame is there.
+    # offsets, logZ) is on the host; its mask ids, most of its bytes, are not there until
+    # this completes. None: the whole frame is there.
     mask_ids_pending: Completion | None = None
 
     def wait_mask_ids(self) -> None:
