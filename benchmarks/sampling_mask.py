@@ -177,7 +177,7 @@ def e2e(args, device: str) -> list[dict]:
     from fastdeploy.engine.executor import InProcessExecutor
     from fastdeploy.engine.request import EngineRequest
     from fastdeploy.engine.sampling_params import SamplingParams
-    from fastdeploy.startup_heap import freeze_startup_heap
+    from fastdeploy.startup_heap import settle_collector
 
     max_b = max(args.e2e_batches)
     model = None if args.e2e_model == "embedded" else args.e2e_model
@@ -188,7 +188,7 @@ def e2e(args, device: str) -> list[dict]:
     config = engine_args.create_engine_config()
     executor = InProcessExecutor(config)
     engine = EngineCore(config, executor)
-    freeze_startup_heap("benchmark")  # as the serving processes do: no full collection walks the model
+    settle_collector("benchmark")  # as the serving processes do: no full collection walks the model
     vocab = executor.info.vocab_size
     counter = iter(range(10**9))
 

@@ -235,7 +235,7 @@ def main() -> None:
     from fastdeploy.engine.args import EngineArgs
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
-    from fastdeploy.startup_heap import freeze_startup_heap
+    from fastdeploy.startup_heap import settle_collector
 
     device = torch.device(args.device)
     info, _ = machine_with_device(device, args.threads)
@@ -245,7 +245,7 @@ def main() -> None:
                         max_num_batched_tokens=max(2048, 16 * max_b), guided_decoding_backend="off",
                         enable_keep_sampling_mask=True).create_engine_config()
     engine = EngineCore(config, InProcessExecutor(config))
-    freeze_startup_heap("benchmark")
+    settle_collector("benchmark")
     seeds = iter(range(10**9))
     rows, timeline = [], []
     for batch in args.batches:

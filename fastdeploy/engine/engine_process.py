@@ -25,7 +25,7 @@ from fastdeploy.engine.request import (
 from fastdeploy.engine.sampling_params import ParameterError
 from fastdeploy.ipc import endpoint, process_alive, socket
 from fastdeploy.output.sampling_masks import encode_buffers
-from fastdeploy.startup_heap import freeze_startup_heap
+from fastdeploy.startup_heap import settle_collector
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int) -> None:
         except Exception:
             out_sock.send(encoder.encode(EngineDead(traceback.format_exc())))
             return
-        freeze_startup_heap("engine")
+        settle_collector("engine")
         out_sock.send(encoder.encode(EngineReady(core.limits, executor.process.pid)))
         _serve(core, in_sock, out_sock, encoder, client_pid, lambda: stopping)
     finally:

@@ -163,8 +163,8 @@ class ModelRunner:
 
         On CUDA the sampler's Triton kernels compile here instead of inside the first
         requests' steps, and what compiling leaves on the heap is among the start-up objects the
-        process then freezes out of the garbage collector's walks (`startup_heap`). Every row
-        has a seeded generator of its own: the global random state is left as it was."""
+        process then freezes out of the garbage collector's walks (`startup_heap`). Every row has
+        a seeded generator of its own: the global random state is left as it was."""
         v = self.model_config.vocab_size
         params = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.95, logprobs=1),
                   SamplingParams(top_p=0.95), SamplingParams(top_k=50, top_p=0.9), SamplingParams()]
@@ -265,7 +265,7 @@ class ModelRunner:
             pending = None
             if slots.has_mask and slots.token_ids.is_cuda and not drafts:
                 # The head of the frame comes back first; the mask ids (most of a masked frame's
-                # bytes) cross PCIe on a copy engine, beside the next step's kernels.
+                # bytes) cross PCIe later, on a copy engine, beside the next step's kernels.
                 packed, frame, pending = pack_step_slots_copying_ids(slots, self._copy_stream)
             elif slots.has_mask and slots.token_ids.is_cuda:
                 # Drafts: a kernel gathers the accepted slots' ids behind the head.

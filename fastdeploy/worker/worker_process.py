@@ -17,7 +17,7 @@ import zmq
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
-from fastdeploy.startup_heap import freeze_startup_heap
+from fastdeploy.startup_heap import settle_collector
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_input import StepInput
 
@@ -62,7 +62,7 @@ def run_follower(config: EngineConfig, directory: str, rank: int, parent_pid: in
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker-tp{rank} %(levelname)s %(message)s")
     threading.Thread(target=_exit_when_gone, args=(parent_pid,), daemon=True).start()
     runner = ModelRunner(config, rank, tp_init_file(directory))
-    freeze_startup_heap(f"worker-tp{rank}")
+    settle_collector(f"worker-tp{rank}")
     while runner.follow():
         pass
     runner.shutdown()
@@ -77,7 +77,7 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
     sock = socket(ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=False)
     try:
         runner = ModelRunner(config, 0, tp_init_file(ipc_dir))
-        freeze_startup_heap("worker")
+        settle_collector("worker")
         sock.send_multipart([INFO, msgspec.msgpack.encode(runner.info)])
     except Exception:
         sock.send_multipart([ERROR, traceback.format_exc().encode()])

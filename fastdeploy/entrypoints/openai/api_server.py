@@ -23,7 +23,7 @@ from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.model_executor.model_loader import get_tokenizer
-from fastdeploy.startup_heap import freeze_startup_heap
+from fastdeploy.startup_heap import settle_collector
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -65,7 +65,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         await client.start()
         state["chat"] = OpenAIServingChat(client, tokenizer, names, metrics)
         state["completion"] = OpenAIServingCompletion(client, tokenizer, names, metrics)
-        freeze_startup_heap("api server")
+        settle_collector("api server")
         logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
         try:
             yield
