@@ -70,6 +70,7 @@ def phase_targets() -> list[tuple[object, str, str]]:
         (model_runner, "_step_slots", "worker: slot layout"),
         (model_runner, "pack_step_slots_tensor", "worker: pack (wait frame)"),
         (model_runner, "pack_step_slots_split", "worker: pack split (wait head)"),
+        (model_runner, "pack_step_slots_copying_ids", "worker: pack, ids copied later (wait head)"),
         (model_runner, "unpack_step_frame_op", "worker: unpack"),
     ]
 
