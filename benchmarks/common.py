@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -158,6 +159,28 @@ def queued_device_ms(fn: Callable[[], object], calls: int = 1) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls
+
+
+def copy_bandwidth(device: str, num_bytes: int) -> float:
+    """Bytes moved per second (read + write) by a large on-device copy; median of 20 after 5 warm-ups."""
+    import torch
+
+    def sync() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        sync()
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+    del src, dst
+    return 2 * num_bytes / statistics.median(times)
 
 
 def finish_bar_axis(ax, ylabel: str) -> None:

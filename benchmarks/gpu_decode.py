@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import machine_info, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import copy_bandwidth, machine_info, png_path, print_table, pyplot, write_json  # noqa: E402
 
 NAME = "gpu_decode"
 
@@ -39,22 +39,6 @@ NAME = "gpu_decode"
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, num_bytes: int) -> float:
-    """Bytes moved per second (read + write) by a large on-device copy; median of 20 after 5 warm-ups."""
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        if i >= 5:
-            times.append(time.perf_counter() - t)
-    del src, dst
-    return 2 * num_bytes / statistics.median(times)
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:

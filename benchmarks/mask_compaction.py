@@ -16,7 +16,7 @@ s = 0.3 ("near-uniform": ~91 %, what dummy weights give). Launch shapes, as
 
 device_us is one call's device time with `--calls` calls queued behind a sleep kernel
 (so the host's launch time is not in it), median of 5. floor_us is the bytes read and
-written at the device's copy bandwidth (measured with a 1 GiB device-to-device copy).
+written at the device's copy bandwidth (`common.copy_bandwidth`, a 1 GiB device-to-device copy).
 Needs CUDA. Writes benchmarks/results/mask_compaction.json and .png.
 """
 
@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (  # noqa: E402
+    copy_bandwidth,
     finish_bar_axis,
     machine_with_device,
     png_path,
@@ -55,14 +56,6 @@ def shapes(rows: int, v: int, device: torch.device) -> dict[str, tuple[int, int,
 def device_ms(fn, calls: int) -> float:
     """Median of 5 `queued_device_ms` measurements."""
     return statistics.median(queued_device_ms(fn, calls) for _ in range(5))
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a device-to-device copy (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = device_ms(lambda: dst.copy_(src), 5)
-    return 2 * src.numel() / (ms / 1e3)
 
 
 def plot(rows: list[dict], names: list[str], device_name: str, path: str) -> None:
@@ -95,7 +88,7 @@ def main() -> None:
         sys.exit("mask_compaction.py needs CUDA and Triton")
     device = torch.device("cuda")
     info, device_name = machine_with_device(device, 2)
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth("cuda", 1 << 30)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows, names = [], list(shapes(1, 1, device))
     for kind in args.logits:
