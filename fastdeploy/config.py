@@ -60,6 +60,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
+    sampling_mask_format: str = "ids"  # ids | bitmap: the default of requests that do not say
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
     guided_decoding_backend: str = "xgrammar"  # xgrammar | off
     grammar_compile_timeout_s: float = 30.0

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.engine.sampling_params import SAMPLING_MASK_FORMATS
 from fastdeploy.reasoning import reasoning_parser_names
 from fastdeploy.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -28,6 +29,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
+    sampling_mask_format: str = "ids"
     logprobs_mode: str = "raw_logprobs"
     guided_decoding_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0
@@ -46,6 +48,7 @@ class EngineArgs:
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             enable_keep_sampling_mask=self.enable_keep_sampling_mask,
+            sampling_mask_format=self.sampling_mask_format,
             logprobs_mode=self.logprobs_mode,
             guided_decoding_backend=self.guided_decoding_backend,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
@@ -101,6 +104,11 @@ class EngineArgs:
                             dest="enable_keep_sampling_mask", action="store_true",
                             help="return `sampling_mask` (the token ids the sampler could draw from after "
                                  "top-k/top-p/min-p) and `sampling_logz` with every generated token")
+        parser.add_argument("--sampling-mask-format", choices=list(SAMPLING_MASK_FORMATS),
+                            default=d.sampling_mask_format,
+                            help="default wire form of `sampling_mask` for requests that do not set "
+                                 "`sampling_mask_format`: ids (sorted id lists) or bitmap (one base64 string of "
+                                 "ceil(V/8) bytes per token, least significant bit first)")
         parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
                             default=d.logprobs_mode,
                             help="raw: the model's log-softmax; processed: after penalties, temperature and "

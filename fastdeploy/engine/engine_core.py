@@ -49,7 +49,7 @@ class EngineCore:
                                    num_draft_model_slots=spec.num_speculative_tokens + 1 if spec and spec.method == "mtp"
                                    else 0)
         self.spec_stats = SpecDecodeStats()
-        self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
+        self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len, info.vocab_size)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
                                    guided_decoding=config.guided_decoding_backend != "off")
@@ -73,8 +73,10 @@ class EngineCore:
         self.validate(request)
         params = request.params
         wants_mask = self.config.enable_keep_sampling_mask and params.return_sampling_mask is not False
+        mask_format = params.sampling_mask_format or self.config.sampling_mask_format
         seq = Sequence(next(self._seq_ids), request.request_id, list(request.prompt_token_ids), params,
-                       request.arrival_time, return_sampling_mask=wants_mask)
+                       request.arrival_time, return_sampling_mask=wants_mask,
+                       sampling_mask_bitmap=wants_mask and mask_format == "bitmap")
         self.sequences[seq.seq_id] = seq
         self.by_request_id[seq.request_id] = seq
         if params.guided is not None:

@@ -6,7 +6,7 @@ import msgspec
 
 from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.output.sampling_masks import SamplingMasks
+from fastdeploy.output.sampling_masks import SamplingBitmaps, SamplingMasks
 from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 
@@ -34,7 +34,8 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one engine step produced for one request.
 
     Per-token lists are aligned with `token_ids`. `top_logprob_ids[i][0]` is the
-    sampled token; the rest are the top-k. `sampling_mask` holds one CSR row per token.
+    sampled token; the rest are the top-k. `sampling_mask` holds one row per
+    token: CSR ids, or bitmaps when the request asked for them.
     """
 
     request_id: str
@@ -42,7 +43,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[list[float]] | None = None
     logprob_token_ids: list[list[int]] | None = None
     ranks: list[int] | None = None
-    sampling_mask: SamplingMasks | None = None
+    sampling_mask: SamplingMasks | SamplingBitmaps | None = None
     # float32 LE [len(token_ids)]: each token's logZ, a byte buffer like the masks' (see
     # fastdeploy/output/sampling_masks.py; `logz_values` gives the floats).
     logz: memoryview | None = None

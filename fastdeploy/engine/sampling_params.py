@@ -7,7 +7,9 @@ import msgspec
 from fastdeploy.engine.errors import ParameterError
 from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 
-__all__ = ["ParameterError", "SamplingParams"]
+__all__ = ["SAMPLING_MASK_FORMATS", "ParameterError", "SamplingParams"]
+
+SAMPLING_MASK_FORMATS = ("ids", "bitmap")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -31,6 +33,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # None: no logprobs; 0: the sampled token's only; k: plus the top k.
     logprobs: int | None = None
     return_sampling_mask: bool | None = None  # None: follow the server flag
+    # How each token's kept set is written: "ids" (sorted id lists) or "bitmap" (base64 of
+    # ceil(V/8) bytes, LSB first); None: the server's --sampling-mask-format.
+    sampling_mask_format: str | None = None
     skip_special_tokens: bool = True
     # Structured output: a JSON schema, regex, choice list, EBNF grammar or structural tag.
     guided: GuidedSpec | None = None
@@ -64,6 +69,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ParameterError(
                     f"top_logprobs={self.logprobs} is above the server maximum {max_logprobs}", "top_logprobs"
                 )
+        if self.sampling_mask_format not in (None, *SAMPLING_MASK_FORMATS):
+            raise ParameterError(f"sampling_mask_format must be one of {', '.join(SAMPLING_MASK_FORMATS)}, "
+                                 f"got {self.sampling_mask_format!r}", "sampling_mask_format")
         if vocab_size is not None:
             for token_id in list(self.logit_bias) + list(self.stop_token_ids):
                 if not 0 <= token_id < vocab_size:

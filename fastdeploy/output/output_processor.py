@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from fastdeploy.engine.request import RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
-from fastdeploy.output.sampling_masks import LOGZ_BYTES, SamplingMasks, concat_masks, logz_values
+from fastdeploy.output.sampling_masks import LOGZ_BYTES, SampledMasks, SamplingBitmaps, concat_masks, logz_values
 
 
 @dataclass
@@ -33,7 +33,7 @@ class OutputChunk:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    sampling_masks: SamplingMasks | None  # CSR; lists only when a response is written
+    sampling_masks: SampledMasks | None  # CSR ids or bitmaps; lists only when a response is written
     sampling_logz: list[float] | None
     finish_reason: str | None
     stop_reason: int | str | None
@@ -46,8 +46,10 @@ class OutputChunk:
 class CompletionOutput:
     """One whole sample, accumulated from its chunks (offline results, non-streaming responses).
 
-    `sampling_mask` is the public form (one sorted id list or None per token), built from
-    the CSR chunks on first read; `sampling_masks` is the same as one CSR run.
+    `sampling_mask` is the public form, built from the chunks on first read: one sorted id
+    list per token, or with `sampling_mask_format="bitmap"` one bitmap (bytes, ceil(V/8) of
+    them, least significant bit first); None for a token without truncation.
+    `sampling_masks` is the same as one run (CSR or bitmaps).
     """
 
     index: int = 0
@@ -61,8 +63,8 @@ class CompletionOutput:
     error_status: int = 500
     # Chunks are joined once when read, not at every step: joining per step copies a
     # long generation's ids over and over.
-    _mask_runs: list[SamplingMasks] | None = field(default=None, init=False, repr=False)
-    _mask_lists: list[list[int] | None] | None = field(default=None, init=False, repr=False)
+    _mask_runs: list[SampledMasks] | None = field(default=None, init=False, repr=False)
+    _mask_lists: list[list[int] | None] | list[bytes | None] | None = field(default=None, init=False, repr=False)
 
     def add(self, chunk: OutputChunk) -> None:
         self.text += chunk.text
@@ -80,7 +82,7 @@ class CompletionOutput:
             self.error, self.error_status = chunk.error, chunk.error_status
 
     @property
-    def sampling_masks(self) -> SamplingMasks | None:
+    def sampling_masks(self) -> SampledMasks | None:
         if self._mask_runs is None:
             return None
         if len(self._mask_runs) != 1:
@@ -88,12 +90,12 @@ class CompletionOutput:
         return self._mask_runs[0]
 
     @property
-    def sampling_mask(self) -> list[list[int] | None] | None:
+    def sampling_mask(self) -> list[list[int] | None] | list[bytes | None] | None:
         masks = self.sampling_masks
         if masks is None:
             return None
         if self._mask_lists is None:
-            self._mask_lists = masks.to_lists()
+            self._mask_lists = masks.rows() if isinstance(masks, SamplingBitmaps) else masks.to_lists()
         return self._mask_lists
 
 

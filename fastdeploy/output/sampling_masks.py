@@ -25,6 +25,7 @@ Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row me
 
 from __future__ import annotations
 
+import binascii
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -57,7 +58,7 @@ def encode_buffers(obj: object) -> memoryview:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
+class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="ids"):
     # gc=False: the engine builds one per masked delta per step, and as tracked objects they
     # doubled the garbage collector's passes over a masked run (116 vs 59 young collections
     # in 64 steps at batch 256). They hold only byte buffers, which never refer back to them,
@@ -110,6 +111,17 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
         end = int(self.offsets_array()[n])
         return SamplingMasks(self.offsets[:(n + 1) * _I32.itemsize], self.ids[:end * _I32.itemsize])
 
+    def to_bitmaps(self, vocab_size: int) -> SamplingBitmaps:
+        """The same rows as bitmaps over a vocabulary of `vocab_size` ids."""
+        return csr_to_bitmaps(self.offsets_array(), self.ids_array(), vocab_size)
+
+    def id_rows(self) -> list[np.ndarray | None]:
+        """One int32 numpy view of the ids per token, None for a null row: what a JSON encoder
+        that writes numpy arrays (orjson) takes without a Python int per id."""
+        offsets = self.offsets_array().tolist()
+        ids = self.ids_array()
+        return [ids[a:b] if b > a else None for a, b in pairwise(offsets)]
+
     def to_lists(self) -> list[list[int] | None]:
         """The public form: one sorted id list per token, None for a null row.
 
@@ -120,12 +132,14 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False):
         return [ids[a:b].tolist() if b > a else None for a, b in pairwise(offsets)]
 
 
-def concat_masks(runs: Sequence[SamplingMasks]) -> SamplingMasks:
+def concat_masks(runs: Sequence[SamplingMasks | SamplingBitmaps]) -> SamplingMasks | SamplingBitmaps:
     """The runs one after the other, as one run: one copy of the ids, offsets rebased."""
     if len(runs) == 1:
         return runs[0]
     if not runs:
         return SamplingMasks()
+    if isinstance(runs[0], SamplingBitmaps):
+        return concat_bitmaps(runs)  # type: ignore[arg-type]
     parts = [runs[0].offsets_array()]
     base = int(parts[0][-1])
     for run in runs[1:]:
@@ -155,3 +169,125 @@ def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> l
     bounds = zip((first_entry * size).tolist(), ((first_entry + entries) * size).tolist(),
                  (offsets64[starts] * size).tolist(), (offsets64[ends] * size).tolist())
     return [SamplingMasks(table[e0:e1], id_bytes[i0:i1]) for e0, e1, i0, i1 in bounds]
+
+
+def bitmap_width(vocab_size: int) -> int:
+    """Bytes in one token's bitmap: ceil(V / 8)."""
+    return (vocab_size + 7) // 8
+
+
+class SamplingBitmaps(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="bitmap"):
+    """The sampling masks of a run of tokens as bitmaps over the vocabulary: the wire form of
+    `sampling_mask_format: "bitmap"`.
+
+    Token i's kept set is the bitmap `bits[j * width:(j + 1) * width]`, j the number of
+    non-null rows before it, where id v is kept iff bit (v % 8) of byte (v // 8) is set,
+    least significant bit first; a row whose `present` byte is 0 is null (the whole
+    vocabulary). A token costs `width` = ceil(V/8) bytes whatever its kept set's size, where
+    ids cost 4 bytes per kept id: bitmaps are smaller once a set holds more than V/32 ids.
+    """
+
+    width: int = 0  # bytes per bitmap row
+    present: memoryview = _NO_IDS  # uint8 [n]: 1 = a bitmap row, 0 = null
+    bits: memoryview = _NO_IDS  # uint8 [width * sum(present)]
+
+    def __len__(self) -> int:
+        return len(self.present)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplingBitmaps):
+            return NotImplemented
+        return (self.width == other.width and bytes(self.present) == bytes(other.present)
+                and bytes(self.bits) == bytes(other.bits))
+
+    def owned(self) -> SamplingBitmaps:
+        return SamplingBitmaps(self.width, bytes(self.present), bytes(self.bits))
+
+    def head(self, n: int) -> SamplingBitmaps:
+        """The first n >= 0 rows (all of them when n >= len)."""
+        if n >= len(self):
+            return self
+        rows = int(np.count_nonzero(np.frombuffer(self.present, np.uint8, count=n)))
+        return SamplingBitmaps(self.width, self.present[:n], self.bits[:rows * self.width])
+
+    def rows(self) -> list[bytes | None]:
+        """One bitmap (bytes) per token, None for a null row."""
+        present = np.frombuffer(self.present, np.uint8).tolist()
+        bits = bytes(self.bits)
+        out: list[bytes | None] = []
+        start = 0
+        for flag in present:
+            if flag:
+                out.append(bits[start:start + self.width])
+                start += self.width
+            else:
+                out.append(None)
+        return out
+
+    def to_base64(self) -> list[str | None]:
+        """The public form: one standard padded base64 string (RFC 4648) per token, None for null."""
+        return [None if row is None else binascii.b2a_base64(row, newline=False).decode("ascii")
+                for row in self.rows()]
+
+    def to_lists(self) -> list[list[int] | None]:
+        """The kept ids of every token (tests and debugging; the wire never builds these)."""
+        return [None if row is None else
+                np.flatnonzero(np.unpackbits(np.frombuffer(row, np.uint8), bitorder="little")).tolist()
+                for row in self.rows()]
+
+
+def csr_to_bitmaps(offsets: np.ndarray, ids: np.ndarray, vocab_size: int) -> SamplingBitmaps:
+    """Bitmaps of a CSR's rows (offsets need not start at 0), in one numpy pass for all rows:
+    every kept id sets one bit of a zeroed [rows, width * 8] bit array, packed little-endian."""
+    width = bitmap_width(vocab_size)
+    offsets64 = offsets.astype(np.int64)
+    lengths = np.diff(offsets64)
+    present = lengths > 0
+    num_rows = int(np.count_nonzero(present))
+    if num_rows == 0:
+        return SamplingBitmaps(width, present.astype(np.uint8).tobytes(), b"")
+    kept = np.asarray(ids[offsets64[0]:offsets64[-1]])
+    row_of_id = np.repeat(np.arange(num_rows, dtype=np.int64) * (width * 8), lengths[present])
+    flags = np.zeros(num_rows * width * 8, dtype=np.bool_)
+    flags[row_of_id + kept] = True
+    return SamplingBitmaps(width, present.astype(np.uint8).tobytes(),
+                           np.packbits(flags, bitorder="little").tobytes())
+
+
+def concat_bitmaps(runs: Sequence[SamplingBitmaps]) -> SamplingBitmaps:
+    return SamplingBitmaps(runs[0].width, b"".join(r.present for r in runs), b"".join(r.bits for r in runs))
+
+
+SampledMasks = SamplingMasks | SamplingBitmaps  # a delta's masks in either wire format
+
+
+def bitmap_runs(offsets: np.ndarray, ids: np.ndarray, starts: Sequence[int], counts: Sequence[int],
+                vocab_size: int) -> list[SamplingBitmaps]:
+    """Bitmaps of the CSR rows `starts[r]:starts[r] + counts[r]` for every run r (a frame's views;
+    `offsets` need not start at 0), built in one numpy pass over all runs of a step."""
+    starts64 = np.asarray(starts, dtype=np.int64)
+    counts64 = np.asarray(counts, dtype=np.int64)
+    rows = np.repeat(starts64 - (np.cumsum(counts64) - counts64), counts64) + np.arange(int(counts64.sum()))
+    offsets64 = offsets.astype(np.int64)
+    row_starts = offsets64[rows]
+    lengths = offsets64[rows + 1] - row_starts
+    present = lengths > 0
+    width = bitmap_width(vocab_size)
+    bits_per_row = width * 8
+    # Each present row gets the next bitmap slot; every kept id sets one bit of its row's slot.
+    slot = np.cumsum(present) - 1
+    flat_lengths = lengths[present]
+    first = np.repeat(row_starts[present] - (np.cumsum(flat_lengths) - flat_lengths), flat_lengths)
+    kept = np.asarray(ids)[first + np.arange(int(flat_lengths.sum()), dtype=np.int64)]
+    flags = np.zeros(int(np.count_nonzero(present)) * bits_per_row, dtype=np.bool_)
+    flags[np.repeat(slot[present] * bits_per_row, flat_lengths) + kept] = True
+    bits = np.packbits(flags, bitorder="little").tobytes()
+    present_bytes = present.astype(np.uint8).tobytes()
+    out = []
+    row = 0
+    slots_before = np.concatenate([[0], np.cumsum(present)]).tolist()
+    for count in counts64.tolist():
+        a, b = slots_before[row], slots_before[row + count]
+        out.append(SamplingBitmaps(width, present_bytes[row:row + count], bits[a * width:b * width]))
+        row += count
+    return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.sampling_masks import LOGZ_BYTES, logz_buffer, split_runs
+from fastdeploy.output.sampling_masks import LOGZ_BYTES, bitmap_runs, logz_buffer, split_runs
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
@@ -29,6 +29,7 @@ class MaskedRun(msgspec.Struct, gc=False):
     delta: RequestDelta
     run: int
     kept: int
+    bitmap: bool = False  # the request takes its masks as bitmaps
 
 
 @dataclass
@@ -44,9 +45,10 @@ class AppliedStep:
 
 
 class TokenProcessor:
-    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, eos_token_ids: list[int], max_model_len: int, vocab_size: int | None = None) -> None:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # the logits' width: a bitmap row covers it
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         params = seq.params
@@ -105,7 +107,7 @@ class TokenProcessor:
             )
             # Rows that opted out travel as empty CSR rows; they must not read as "null".
             if has_mask and seq.return_sampling_mask:
-                applied.masked.append(MaskedRun(delta, run, kept))
+                applied.masked.append(MaskedRun(delta, run, kept, seq.sampling_mask_bitmap))
             else:
                 applied.unmasked.append(delta)
             applied.results.append((seq, delta))
@@ -121,10 +123,20 @@ class TokenProcessor:
         runs = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         starts = frame.num_tokens.cumsum().tolist()
         logz = logz_buffer(frame.logz)
+        as_bitmaps = [m for m in applied.masked if m.bitmap]
+        if as_bitmaps:
+            if self.vocab_size is None:
+                raise ValueError("bitmap sampling masks need the TokenProcessor's vocab_size")
+            bitmaps = bitmap_runs(frame.mask_offsets, frame.mask_ids,
+                                  [starts[m.run] - counts[m.run] for m in as_bitmaps],
+                                  [m.kept for m in as_bitmaps], self.vocab_size)
+            for masked, bitmap in zip(as_bitmaps, bitmaps):
+                masked.delta.sampling_mask = bitmap
         for masked in applied.masked:
             count = counts[masked.run]
             start = starts[masked.run] - count
-            run = runs[masked.run]
-            # Most deltas keep their whole run; `head` is the cut at a finishing token.
-            masked.delta.sampling_mask = run if masked.kept == count else run.head(masked.kept)
+            if not masked.bitmap:
+                run = runs[masked.run]
+                # Most deltas keep their whole run; `head` is the cut at a finishing token.
+                masked.delta.sampling_mask = run if masked.kept == count else run.head(masked.kept)
             masked.delta.logz = logz[start * LOGZ_BYTES:(start + masked.kept) * LOGZ_BYTES]

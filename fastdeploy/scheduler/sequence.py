@@ -22,6 +22,7 @@ class Sequence:
     params: SamplingParams
     arrival_time: float = 0.0
     return_sampling_mask: bool = False
+    sampling_mask_bitmap: bool = False  # masks travel as bitmaps (sampling_mask_format "bitmap")
     # False while the worker compiles this sequence's grammar; it is not admitted until then.
     grammar_ready: bool = True
     output_token_ids: list[int] = field(default_factory=list)

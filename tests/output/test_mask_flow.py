@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+import orjson
 import pytest
 
 from fastdeploy.engine.request import EngineOutputs
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.entrypoints.openai.formatting import extra_fields
+from fastdeploy.entrypoints.openai.formatting import encode_json, extra_fields
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
 from fastdeploy.output.sampling_masks import SamplingMasks, encode_buffers, logz_values
@@ -88,7 +89,7 @@ def test_stop_string_inside_a_multi_token_delta_cuts_its_masks(tokenizer):
     assert output.sampling_mask == masks[:dot + 1]
     assert output.sampling_masks.to_lists() == masks[:dot + 1]
     assert len(output.sampling_logz) == dot + 1
-    streamed = [m for c in chunks for m in extra_fields(c, True)["sampling_mask"]]
+    streamed = [m for c in chunks for m in orjson.loads(encode_json(extra_fields(c, True)))["sampling_mask"]]
     assert streamed == masks[:dot + 1]
 
 
@@ -101,7 +102,8 @@ def test_accumulated_output_equals_the_concatenated_lists(tokenizer):
     want = [m for run in mask_runs for m in run]
     assert output.sampling_mask == want
     assert output.sampling_mask is output.sampling_mask  # built once per read-out
-    assert extra_fields(output, False) == {"sampling_mask": want, "sampling_logz": output.sampling_logz}
+    written = orjson.loads(encode_json(extra_fields(output, False)))
+    assert written == {"sampling_mask": want, "sampling_logz": output.sampling_logz}
     assert len(output.sampling_logz) == len(want) == len(output.token_ids)
 
 

@@ -1,10 +1,26 @@
-"""OpenAI JSON shapes for choices, logprobs, sampling masks and usage."""
+"""OpenAI JSON shapes for choices, logprobs, sampling masks and usage, and their encoding.
+
+Bodies are encoded by orjson: a sampling mask's id rows go in as numpy views of the CSR,
+which orjson writes in C, so no Python int is made per kept id (a token's set can hold
+100,000 of them); bitmap rows go in as base64 strings.
+"""
 
 from __future__ import annotations
 
-import json
+import orjson
+from fastapi.responses import Response
 
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, TokenLogprob
+from fastdeploy.output.sampling_masks import SamplingBitmaps
+
+# JSON has no -Infinity: a logprob of -inf (a token outside the kept set, processed logprobs)
+# is written as this floor, as vLLM does.
+LOGPROB_FLOOR = -9999.0
+_JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _logprob(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
@@ -12,9 +28,10 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
         "content": [
             {
                 "token": e.token,
-                "logprob": e.logprob,
+                "logprob": _logprob(e.logprob),
                 "bytes": e.bytes,
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top_logprobs],
+                "top_logprobs": [{"token": t.token, "logprob": _logprob(t.logprob), "bytes": t.bytes}
+                                 for t in e.top_logprobs],
             }
             for e in entries
         ]
@@ -28,8 +45,8 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
         text_offset += len(e.token)
     return {
         "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": [{t.token: _logprob(t.logprob) for t in e.top_logprobs} for e in entries],
         "text_offset": offsets,
     }
 
@@ -39,8 +56,7 @@ def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_i
     extra = {}
     masks = chunk_or_choice.sampling_masks
     if masks is not None:
-        # The only place the CSR becomes Python lists on the server.
-        extra["sampling_mask"] = masks.to_lists()
+        extra["sampling_mask"] = masks.to_base64() if isinstance(masks, SamplingBitmaps) else masks.id_rows()
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     if return_token_ids:
         extra["token_ids"] = chunk_or_choice.token_ids
@@ -52,6 +68,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+def encode_json(payload: dict) -> bytes:
+    return orjson.dumps(payload, option=_JSON_OPTIONS)
+
+
+def json_response(payload: dict, status_code: int = 200) -> Response:
+    return Response(encode_json(payload), status_code=status_code, media_type="application/json")
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload.encode() if isinstance(payload, str) else encode_json(payload)
+    return b"data: " + data + b"\n\n"

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,6 +60,8 @@ class CommonRequest(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     return_sampling_mask: bool | None = None
+    # "ids": sorted id lists; "bitmap": base64 of ceil(V/8) bytes per token; None: the server's default.
+    sampling_mask_format: Literal["ids", "bitmap"] | None = None
     user: str | None = None
     # Structured output; at most one form per request.
     response_format: dict[str, Any] | None = None
@@ -111,6 +111,7 @@ class CommonRequest(BaseModel):
             logit_bias=logit_bias,
             logprobs=self._num_logprobs(),
             return_sampling_mask=self.return_sampling_mask,
+            sampling_mask_format=self.sampling_mask_format,
             skip_special_tokens=self.skip_special_tokens,
             guided=guided_spec_from_request(
                 {f: getattr(self, f) for f in GUIDED_FIELDS if getattr(self, f) is not None}),

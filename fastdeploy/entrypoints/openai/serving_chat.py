@@ -6,10 +6,10 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from fastdeploy.entrypoints.openai.errors import bad_request
-from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, sse, usage
+from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, json_response, sse, usage
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
 from fastdeploy.reasoning import ReasoningParser, ReasoningSplitter, get_reasoning_parser
@@ -49,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
         reasoning, content = self.reasoning.split(prompt_text, text)
         return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
-    async def _full(self, request, request_id, model, prompt_text, prompt, engine_requests) -> JSONResponse:
+    async def _full(self, request, request_id, model, prompt_text, prompt, engine_requests) -> Response:
         choices = await self.collect_choices(engine_requests)
         body = {
             "id": request_id,
@@ -71,9 +71,9 @@ class OpenAIServingChat(OpenAIServing):
         }
         if request.return_token_ids:
             body["prompt_token_ids"] = prompt
-        return JSONResponse(body)
+        return json_response(body)
 
-    async def _stream(self, request, request_id, model, prompt_text, prompt, engine_requests) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, model, prompt_text, prompt, engine_requests) -> AsyncIterator[bytes]:
         created = int(time.time())
 
         def chunk(choices: list[dict], **extra) -> dict:

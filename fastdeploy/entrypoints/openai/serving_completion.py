@@ -6,11 +6,12 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from fastdeploy.entrypoints.openai.formatting import (
     completion_logprobs,
     extra_fields,
+    json_response,
     usage,
 )
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
@@ -32,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return await until_disconnected(raw_request,
                                         self._full(request, request_id, model, prompts, engine_requests))
 
-    async def _full(self, request, request_id, model, prompts, engine_requests) -> JSONResponse:
+    async def _full(self, request, request_id, model, prompts, engine_requests) -> Response:
         choices = await self.collect_choices(engine_requests)
         body = {
             "id": request_id,
@@ -56,9 +57,9 @@ class OpenAIServingCompletion(OpenAIServing):
             n = request.n
             for i, choice in enumerate(body["choices"]):
                 choice["prompt_token_ids"] = prompts[i // n]
-        return JSONResponse(body)
+        return json_response(body)
 
-    async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncIterator[bytes]:
         created = int(time.time())
         text_offsets = [0] * len(engine_requests)
 

@@ -90,7 +90,7 @@ class OpenAIServing:
         return choices
 
     async def sse_events(self, requests: list[EngineRequest], format_choice: Callable[[ChoiceEvent], dict],
-                         wrap: Callable[..., dict], prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+                         wrap: Callable[..., dict], prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body shared by chat and completions: one event per chunk, usage, [DONE].
 
         `format_choice` renders one choice's chunk; `wrap(choices, **extra)` the envelope.
