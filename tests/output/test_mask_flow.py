@@ -13,7 +13,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.formatting import encode_json, extra_fields
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
-from fastdeploy.output.sampling_masks import SamplingMasks, encode_buffers, logz_values
+from fastdeploy.output.sampling_masks import SamplingBitmaps, SamplingMasks, encode_buffers, logz_values
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
 from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.sequence import Sequence
@@ -52,6 +52,27 @@ def test_token_processor_cuts_masks_at_the_finishing_token_and_drops_opted_out_r
     raw = msgspec.msgpack.Encoder(enc_hook=encode_buffers).encode(EngineOutputs([out[1]]))
     back = msgspec.msgpack.decode(raw, type=EngineOutputs)
     assert back.deltas[0].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]
+
+
+def test_bitmap_and_ids_sequences_of_one_frame_get_the_same_sets():
+    stop = 99
+    masks = [[[1, 2], None, [stop, 100], [7]], [[3, 49151]], [[0], [5, 6]]]
+    tokens = [[10, 11, stop, 12], [13], [14, 15]]
+    sequences = {
+        1: Sequence(1, "a", [5], SamplingParams(stop_token_ids=[stop]), return_sampling_mask=True,
+                    sampling_mask_bitmap=True),
+        2: Sequence(2, "b", [5], SamplingParams(), return_sampling_mask=True),
+        3: Sequence(3, "c", [5], SamplingParams(), return_sampling_mask=True, sampling_mask_bitmap=True),
+    }
+    out = {seq.seq_id: delta for seq, delta in
+           TokenProcessor([0], 512, vocab_size=49152).process(frame_of([1, 2, 3], tokens, masks), sequences)}
+    assert isinstance(out[1].sampling_mask, SamplingBitmaps) and isinstance(out[3].sampling_mask, SamplingBitmaps)
+    assert isinstance(out[2].sampling_mask, SamplingMasks)
+    assert out[1].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]  # cut at the stop token
+    assert out[2].sampling_mask.to_lists() == [[3, 49151]]
+    assert out[3].sampling_mask.to_lists() == [[0], [5, 6]]
+    assert logz_values(out[3].logz) == pytest.approx([-0.5, -0.6])
+    assert out[1].sampling_mask.width == 6144
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""SamplingMasks (the CSR form of per-token kept sets) against plain-list references."""
+"""SamplingMasks (the CSR form of per-token kept sets) and SamplingBitmaps against plain-list references."""
 
 from __future__ import annotations
 
+import base64
 from itertools import pairwise
 
 import msgspec
@@ -10,7 +11,10 @@ import pytest
 
 from fastdeploy.engine.request import EngineOutputs, RequestDelta
 from fastdeploy.output.sampling_masks import (
+    SamplingBitmaps,
     SamplingMasks,
+    bitmap_runs,
+    bitmap_width,
     concat_masks,
     encode_buffers,
     logz_buffer,
@@ -95,3 +99,70 @@ def test_msgpack_round_trip_inside_a_delta():
     assert back.deltas[1].sampling_mask is None
     # the ids and offsets travel as binary blobs, byte for byte
     assert delta.sampling_mask.ids in raw and delta.sampling_mask.offsets in raw
+
+
+def decode_bitmap(text: str, vocab_size: int) -> list[int]:
+    """The kept ids of one base64 bitmap, exactly as docs/sampling.md tells users to decode it."""
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size]).tolist()
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 151936, 13, 1])
+def test_bitmaps_hold_the_same_sets_as_the_ids(vocab_size: int):
+    rng = np.random.default_rng(vocab_size)
+    lists = []
+    for i in range(30):
+        size = int(rng.integers(0, min(vocab_size, 3000) + 1)) if i % 5 else 0
+        lists.append(sorted(rng.choice(vocab_size, size, replace=False).tolist()) if size else None)
+    lists.append(list(range(vocab_size)))  # every id kept, the last bit included
+    masks = SamplingMasks.from_lists(lists)
+    bitmaps = masks.to_bitmaps(vocab_size)
+    assert bitmaps.width == bitmap_width(vocab_size) == -(-vocab_size // 8)
+    assert len(bitmaps) == len(lists)
+    assert bitmaps.to_lists() == lists
+    encoded = bitmaps.to_base64()
+    for text, want in zip(encoded, lists):
+        if want is None:
+            assert text is None
+            continue
+        raw = base64.b64decode(text, validate=True)
+        assert len(raw) == bitmap_width(vocab_size)
+        assert base64.b64encode(raw).decode() == text  # standard alphabet, padded
+        assert decode_bitmap(text, vocab_size) == want
+
+
+def test_bitmap_runs_of_a_frame_match_each_run_converted_alone():
+    rng = np.random.default_rng(3)
+    lists = random_masks(rng, 24)
+    csr = SamplingMasks.from_lists(lists)
+    offsets = csr.offsets_array() + 7  # a frame's CSR need not start at 0
+    ids = np.concatenate([np.full(7, 49151, "<i4"), csr.ids_array()])
+    starts, counts = [0, 3, 3, 10, 20], [3, 0, 5, 10, 4]
+    runs = bitmap_runs(offsets, ids, starts, counts, 49152)
+    for run, start, count in zip(runs, starts, counts):
+        assert run.to_lists() == lists[start:start + count]
+        assert run == SamplingMasks.from_lists(lists[start:start + count]).to_bitmaps(49152)
+    assert bitmap_runs(offsets, ids, [], [], 49152) == []
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 9])
+def test_bitmap_head_and_concat_match_list_slices(n: int):
+    bitmaps = SamplingMasks.from_lists(MASKS).to_bitmaps(49152)
+    assert bitmaps.head(n).to_lists() == MASKS[:n]
+    parts = [bitmaps.head(2), SamplingMasks.from_lists(MASKS[2:]).to_bitmaps(49152)]
+    assert concat_masks(parts).to_lists() == MASKS
+    assert concat_masks(parts).owned() == bitmaps
+
+
+def test_bitmaps_round_trip_inside_a_delta_beside_ids():
+    bitmaps = SamplingMasks.from_lists(MASKS).to_bitmaps(49152)
+    deltas = [RequestDelta("r-0", list(range(5)), sampling_mask=bitmaps),
+              RequestDelta("r-1", list(range(5)), sampling_mask=SamplingMasks.from_lists(MASKS))]
+    raw = msgspec.msgpack.Encoder(enc_hook=encode_buffers).encode(EngineOutputs(deltas))
+    back = msgspec.msgpack.decode(raw, type=EngineOutputs)
+    assert isinstance(back.deltas[0].sampling_mask, SamplingBitmaps)
+    assert back.deltas[0].sampling_mask == bitmaps
+    assert isinstance(back.deltas[1].sampling_mask, SamplingMasks)
+    assert back.deltas[1].sampling_mask.to_lists() == MASKS
+    # 3 non-null rows of 6,144 bytes travel as one binary blob
+    assert len(bitmaps.bits) == 3 * 6144 and bytes(bitmaps.bits) in raw

@@ -286,42 +286,33 @@ def _fill_sampling_mask(
     device = proc.device
     b, v = proc.shape
     logz = torch.zeros(b, dtype=torch.float32, device=device)
-    counts = torch.zeros(b, dtype=torch.int64, device=device)
-    # Per kept token, ids padded with V (sorts last) so each row sorts independently.
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ids int64 [n, W] padded with V)
+    # Every kept id is set in a dense [B, V] flag array; selecting the column ids it flags lists
+    # them row by row in ascending order, which is the CSR. Sorting each row's window of ids instead cost about
+    # 30 ms per step at batch 16 with 40,000-id sets (a third of a flat step on 2 CPU cores).
+    kept_flags = torch.zeros(b, v, dtype=torch.bool, device=device)
 
     if t_rows.numel():
         sel = requested[t_rows]
         if bool(sel.any()):
             rows = t_rows[sel]
             keep = win.keep[sel]
-            ids = torch.where(keep, win.idx[sel], torch.full_like(win.idx[sel], v))
-            parts.append((rows, ids))
-            counts[rows] = keep.sum(dim=1)
+            # Only kept entries are written: a window is padded with id 0 past its kept prefix.
+            kept_flags[rows.unsqueeze(1).expand_as(keep)[keep], win.idx[sel][keep]] = True
             sub = KeptWindow(win.idx[sel], win.x[sel], keep, win.lse[sel])
             logz[rows] = kept_logz(sub).float()
     if g_rows.numel():
         rows = g_rows[requested[g_rows]]
         if rows.numel():
             tok = out.sampled_token_ids[rows]
-            parts.append((rows, tok.unsqueeze(1)))
-            counts[rows] = 1
+            kept_flags[rows, tok] = True
             # Greedy rows report the argmax's mass under the temperature-1 softmax.
             x = take_rows(proc, rows)
             lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
             logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
 
     offsets = torch.zeros(b + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.cumsum(counts, dim=0)
-    mask_ids = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)
-    for rows, ids in parts:
-        ids = ids.sort(dim=1).values
-        n = counts[rows]
-        valid = torch.arange(ids.shape[1], device=device).unsqueeze(0) < n.unsqueeze(1)
-        # Destination of entry j of row r: offsets[r] + j.
-        dest = offsets[rows].unsqueeze(1) + torch.arange(ids.shape[1], device=device).unsqueeze(0)
-        mask_ids[dest[valid]] = ids[valid].to(torch.int32)
-    out.mask_ids = mask_ids
+    offsets[1:] = torch.cumsum(kept_flags.sum(dim=1), dim=0)
+    out.mask_ids = torch.arange(v, dtype=torch.int32, device=device).expand(b, v).masked_select(kept_flags)
     out.mask_offsets = offsets.to(torch.int32)
     out.logz = logz
 

@@ -1,0 +1,271 @@
+"""Sampling masks through the server: a flag-off and a flag-on server under the same load.
+
+    python benchmarks/serving_mask.py [--clients 16] [--requests-per-client 2] [--max-tokens 64]
+                                      [--formats ids bitmap] [--cases peaked flat]
+                                      [--rss-requests 2000] [--server-args "..."]
+
+Starts `fastdeploy serve` twice, one after the other, on the same model: once without
+`--enable-keep-sampling-mask` and once with it. Each server gets the same load per case:
+`--clients` concurrent clients, each sending `--requests-per-client` non-streaming
+`/v1/completions` requests of exactly `--max-tokens` tokens (EOS ignored), as an RL rollout
+does; the flag-on server gets it once per `sampling_mask_format`. Cases:
+
+- peaked: temperature 1.0, top_p 0.9 (a trained model keeps a few to a few hundred ids);
+- flat: temperature 1.5, top_p 0.99 (tens of thousands of ids per token on the embedded model).
+
+Per run: output tok/s (completion tokens / wall time of the run, every client's bodies read
+in full), the ratio to the flag-off server's tok/s in the same case, kept ids per token and
+response bytes per token (from the bodies, parsed after the clock stops), the server's RSS
+(API server, engine and worker processes together) after the run, and the CPU time per token
+of each of those processes (where the masks' cost lands).
+
+`--rss-requests N` then sends N short masked requests (8 tokens, flat case, bitmap and ids
+alternating) to the flag-on server and records its RSS before and after: nothing of a
+finished request's masks may stay behind.
+
+Writes benchmarks/results/serving_mask.json (or `--name`) and a PNG; with `--gpu-scale-key K`
+it also stores the bitmap flat ratio as `mask_server_ratio[K]` in
+benchmarks/results/gpu_scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import orjson
+import psutil
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import (RESULTS_DIR, free_port, machine_info, png_path, print_machine,  # noqa: E402
+                               print_table, pyplot, write_json)
+from benchmarks.serving import TOPICS, Server  # noqa: E402
+
+CASES = {"peaked": {"temperature": 1.0, "top_p": 0.9}, "flat": {"temperature": 1.5, "top_p": 0.99}}
+
+
+@dataclass
+class RunResult:
+    tokens: int
+    wall_s: float
+    bodies: list[bytes]
+    errors: list[str]
+
+
+def server_rss_mb(server: Server) -> float:
+    """Resident memory of the server and every process it started (engine, worker)."""
+    root = psutil.Process(server.proc.pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def process_cpu_s(server: Server) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the API server, the engine and the worker(s)."""
+    root = psutil.Process(server.proc.pid)
+    roles = {"api": root}
+    for child in root.children():
+        if child.children():  # the engine process starts the worker(s); the resource tracker starts none
+            roles["engine"] = child
+            for i, worker in enumerate(child.children()):
+                roles["worker" if i == 0 else f"worker{i}"] = worker
+    out = {}
+    for role, proc in roles.items():
+        times = proc.cpu_times()
+        out[role] = times.user + times.system
+    return out
+
+
+def request_body(server: Server, index: int, case: str, max_tokens: int, mask_format: str | None) -> dict:
+    body = {"model": server.model, "prompt": f"Request {index}. Write a short story about "
+                                             f"{TOPICS[index % len(TOPICS)]}.",
+            "max_tokens": max_tokens, "ignore_eos": True, "seed": index, **CASES[case]}
+    if mask_format is not None:
+        body["sampling_mask_format"] = mask_format
+    return body
+
+
+async def run_load(server: Server, case: str, mask_format: str | None, clients: int, per_client: int,
+                   max_tokens: int, first_index: int = 0) -> RunResult:
+    bodies: list[bytes] = []
+    errors: list[str] = []
+    tokens = 0
+
+    async def client_loop(client: httpx.AsyncClient, c: int) -> None:
+        nonlocal tokens
+        for r in range(per_client):
+            index = first_index + c * per_client + r
+            resp = await client.post(server.base + "/v1/completions",
+                                     json=request_body(server, index, case, max_tokens, mask_format))
+            if resp.status_code != 200:
+                errors.append(f"HTTP {resp.status_code}: {resp.content[:200]!r}")
+                continue
+            bodies.append(resp.content)
+            tokens += max_tokens  # ignore_eos: exactly max_tokens each; checked against usage below
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client, c) for c in range(clients)))
+        wall = time.perf_counter() - start
+    return RunResult(tokens, wall, bodies, errors)
+
+
+def kept_ids(mask: list | str | None, vocab_size: int) -> int:
+    if mask is None:
+        return vocab_size
+    if isinstance(mask, str):
+        return int(np.unpackbits(np.frombuffer(base64.b64decode(mask), np.uint8)).sum())
+    return len(mask)
+
+
+def describe(result: RunResult, vocab_size: int) -> dict:
+    """Token count (from usage), kept ids and body bytes per token of a finished run."""
+    usage_tokens = 0
+    ids = 0
+    masks = 0
+    for body in result.bodies:
+        parsed = orjson.loads(body)
+        usage_tokens += parsed["usage"]["completion_tokens"]
+        for choice in parsed["choices"]:
+            for mask in choice.get("sampling_mask") or []:
+                ids += kept_ids(mask, vocab_size)
+                masks += 1
+    body_bytes = sum(len(b) for b in result.bodies)
+    return {"tokens": usage_tokens, "ids_per_token": ids / masks if masks else None,
+            "bytes_per_token": body_bytes / usage_tokens if usage_tokens else None}
+
+
+def start_server(name: str, args: list[str], log_dir: str) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", "--port", str(port), *args]
+    server = Server(name, cmd, "/health", {}, port)
+    server.start(os.path.join(log_dir, f"{name}.log"), timeout_s=900)
+    return server
+
+
+def warm_up(server: Server, mask_formats: list[str | None], max_tokens: int) -> None:
+    for case in CASES:
+        for fmt in mask_formats:
+            asyncio.run(run_load(server, case, fmt, 2, 1, max_tokens, first_index=10_000))
+
+
+async def rss_check(server: Server, num_requests: int, clients: int) -> dict:
+    per_client = num_requests // clients
+    before = server_rss_mb(server)
+    result_ids = await run_load(server, "flat", "ids", clients, per_client // 2, 8, first_index=20_000)
+    result_bits = await run_load(server, "flat", "bitmap", clients, per_client - per_client // 2, 8,
+                                 first_index=40_000)
+    after = server_rss_mb(server)
+    done = len(result_ids.bodies) + len(result_bits.bodies)
+    return {"requests": done, "errors": len(result_ids.errors) + len(result_bits.errors),
+            "rss_before_mb": round(before, 1), "rss_after_mb": round(after, 1),
+            "rss_growth_mb": round(after - before, 1)}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{r['case']}\n{r['format']}" for r in rows if r["format"] != "off"]
+    ratios = [r["ratio"] for r in rows if r["format"] != "off"]
+    ax.bar(labels, ratios, color=["#4c72b0" if "ids" in lab else "#dd8452" for lab in labels])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("tok/s, mask on / off", fontsize=8)
+    ax.set_title("sampling mask through the server", fontsize=9)
+    for x, ratio in enumerate(ratios):
+        ax.text(x, ratio, f"{ratio:.2f}", ha="center", va="bottom", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--formats", nargs="+", choices=["ids", "bitmap"], default=["ids", "bitmap"])
+    parser.add_argument("--rss-requests", type=int, default=0, help="masked requests of the memory check (0: skip)")
+    parser.add_argument("--server-args", default="", help="extra `fastdeploy serve` arguments, one string")
+    parser.add_argument("--vocab-size", type=int, default=49152, help="logits width (counts null rows)")
+    parser.add_argument("--name", default="serving_mask")
+    parser.add_argument("--gpu-scale-key", default=None, help="store the flat bitmap ratio in gpu_scale.json")
+    args = parser.parse_args()
+
+    info = machine_info()
+    print_machine(info)
+    extra = shlex.split(args.server_args)
+    log_dir = os.path.join(RESULTS_DIR, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    rows: list[dict] = []
+    off_tok_s: dict[str, float] = {}
+    memory = None
+    for name, flag in (("off", []), ("on", ["--enable-keep-sampling-mask"])):
+        server = start_server(f"{args.name}-{name}", [*flag, *extra], log_dir)
+        try:
+            formats: list[str | None] = [None] if name == "off" else list(args.formats)
+            warm_up(server, formats, 4)
+            for case in args.cases:
+                for fmt in formats:
+                    cpu_before = process_cpu_s(server)
+                    result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client,
+                                                  args.max_tokens))
+                    cpu_after = process_cpu_s(server)
+                    rss = server_rss_mb(server)
+                    if result.errors:
+                        print(f"{name} {case} {fmt}: {len(result.errors)} errors, first: {result.errors[0]}")
+                    stats = describe(result, args.vocab_size)
+                    tok_s = stats["tokens"] / result.wall_s
+                    if name == "off":
+                        off_tok_s[case] = tok_s
+                    rows.append({"case": case, "format": fmt or "off", "tok_s": round(tok_s, 1),
+                                 "ratio": round(tok_s / off_tok_s[case], 3) if case in off_tok_s else None,
+                                 "ids_per_token": None if stats["ids_per_token"] is None
+                                 else round(stats["ids_per_token"], 1),
+                                 "bytes_per_token": round(stats["bytes_per_token"], 1),
+                                 "server_rss_mb": round(rss, 1), "wall_s": round(result.wall_s, 2),
+                                 "tokens": stats["tokens"], "errors": len(result.errors),
+                                 **{f"cpu_ms_per_token_{role}": round(1000 * (cpu_after[role] - cpu_before[role])
+                                                                      / max(stats["tokens"], 1), 2)
+                                    for role in cpu_after}})
+                    print(rows[-1], flush=True)
+            if name == "on" and args.rss_requests:
+                memory = asyncio.run(rss_check(server, args.rss_requests, args.clients))
+                print("memory:", memory, flush=True)
+        finally:
+            server.stop()
+
+    print_table(rows, ["case", "format", "tok_s", "ratio", "ids_per_token", "bytes_per_token", "server_rss_mb",
+                       "cpu_ms_per_token_api", "cpu_ms_per_token_engine", "cpu_ms_per_token_worker", "errors"])
+    payload = {"machine": info, "clients": args.clients, "requests_per_client": args.requests_per_client,
+               "max_tokens": args.max_tokens, "server_args": args.server_args, "cases": CASES, "runs": rows,
+               "memory": memory}
+    path = write_json(args.name, payload)
+    plot(rows, png_path(args.name))
+    print(f"wrote {path} and {png_path(args.name)}")
+    if args.gpu_scale_key is not None:
+        flat = next((r for r in rows if r["case"] == "flat" and r["format"] == "bitmap"), None)
+        if flat is not None:
+            scale_path = os.path.join(RESULTS_DIR, "gpu_scale.json")
+            scale = json.load(open(scale_path)) if os.path.exists(scale_path) else {}
+            scale.setdefault("mask_server_ratio", {})[args.gpu_scale_key] = flat["ratio"]
+            with open(scale_path, "w") as f:
+                json.dump(scale, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
