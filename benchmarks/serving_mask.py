@@ -4,11 +4,14 @@
                                       [--formats ids bitmap] [--cases peaked flat]
                                       [--rss-requests 2000] [--server-args "..."]
 
-Starts `fastdeploy serve` twice, one after the other, on the same model: once without
-`--enable-keep-sampling-mask` and once with it. Each server gets the same load per case:
-`--clients` concurrent clients, each sending `--requests-per-client` non-streaming
-`/v1/completions` requests of exactly `--max-tokens` tokens (EOS ignored), as an RL rollout
-does; the flag-on server gets it once per `sampling_mask_format`. Cases:
+Starts `fastdeploy serve` twice on the same model, once without `--enable-keep-sampling-mask`
+and once with it; both stay up and are loaded in turn (one idles while the other runs).
+Each server gets the same load per case: `--clients` concurrent clients, each sending
+`--requests-per-client` non-streaming `/v1/completions` requests of exactly `--max-tokens`
+tokens (EOS ignored, seeded), as an RL rollout does; the flag-on server gets it once per
+`sampling_mask_format`. Every run is repeated `--rounds` times, off and on back to back
+within a round, and the table gives medians (the ratio: the median of the rounds' ratios,
+with their range). Cases:
 
 - peaked: temperature 1.0, top_p 0.9 (a trained model keeps a few to a few hundred ids);
 - flat: temperature 1.5, top_p 0.99 (tens of thousands of ids per token on the embedded model).
@@ -192,11 +195,51 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace) -> dict:
+    """One timed run of the load against one server, with what it cost each process."""
+    cpu_before = process_cpu_s(server)
+    result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens))
+    cpu_after = process_cpu_s(server)
+    if result.errors:
+        print(f"{case} {fmt}: {len(result.errors)} errors, first: {result.errors[0]}")
+    stats = describe(result, args.vocab_size)
+    return {"case": case, "format": fmt or "off", "tok_s": stats["tokens"] / result.wall_s,
+            "ids_per_token": stats["ids_per_token"], "bytes_per_token": stats["bytes_per_token"],
+            "server_rss_mb": server_rss_mb(server), "wall_s": result.wall_s, "tokens": stats["tokens"],
+            "errors": len(result.errors),
+            **{f"cpu_ms_per_token_{role}": 1000 * (cpu_after[role] - cpu_before[role]) / max(stats["tokens"], 1)
+               for role in cpu_after}}
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per (case, format): medians over the rounds; the ratio is the median of each round's
+    on/off ratio (the two runs of a round are back to back, so a slow spell of the machine
+    moves both)."""
+    rows = []
+    keys = list(dict.fromkeys((r["case"], r["format"]) for r in runs))
+    for case, fmt in keys:
+        mine = [r for r in runs if r["case"] == case and r["format"] == fmt]
+        row: dict = {"case": case, "format": fmt, "rounds": len(mine)}
+        for field in mine[0]:
+            if field not in ("case", "format", "round") and mine[0][field] is not None:
+                row[field] = round(float(np.median([r[field] for r in mine])), 3)
+        if fmt != "off":
+            offs = {r["round"]: r["tok_s"] for r in runs if r["case"] == case and r["format"] == "off"}
+            ratios = [r["tok_s"] / offs[r["round"]] for r in mine]
+            row["ratio"] = round(float(np.median(ratios)), 3)
+            row["ratio_min"], row["ratio_max"] = round(min(ratios), 3), round(max(ratios), 3)
+        else:
+            row["ratio"] = 1.0
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="times each run is repeated, off and on alternating")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--formats", nargs="+", choices=["ids", "bitmap"], default=["ids", "bitmap"])
     parser.add_argument("--rss-requests", type=int, default=0, help="masked requests of the memory check (0: skip)")
@@ -211,49 +254,36 @@ def main() -> None:
     extra = shlex.split(args.server_args)
     log_dir = os.path.join(RESULTS_DIR, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    rows: list[dict] = []
-    off_tok_s: dict[str, float] = {}
+    runs: list[dict] = []
     memory = None
-    for name, flag in (("off", []), ("on", ["--enable-keep-sampling-mask"])):
-        server = start_server(f"{args.name}-{name}", [*flag, *extra], log_dir)
-        try:
-            formats: list[str | None] = [None] if name == "off" else list(args.formats)
-            warm_up(server, formats, 4)
+    servers: dict[str, Server] = {}
+    try:
+        # Both servers stay up; a run loads one while the other idles.
+        for name, flag in (("off", []), ("on", ["--enable-keep-sampling-mask"])):
+            servers[name] = start_server(f"{args.name}-{name}", [*flag, *extra], log_dir)
+        warm_up(servers["off"], [None], 4)
+        warm_up(servers["on"], list(args.formats), 4)
+        for round_index in range(args.rounds):
             for case in args.cases:
-                for fmt in formats:
-                    cpu_before = process_cpu_s(server)
-                    result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client,
-                                                  args.max_tokens))
-                    cpu_after = process_cpu_s(server)
-                    rss = server_rss_mb(server)
-                    if result.errors:
-                        print(f"{name} {case} {fmt}: {len(result.errors)} errors, first: {result.errors[0]}")
-                    stats = describe(result, args.vocab_size)
-                    tok_s = stats["tokens"] / result.wall_s
-                    if name == "off":
-                        off_tok_s[case] = tok_s
-                    rows.append({"case": case, "format": fmt or "off", "tok_s": round(tok_s, 1),
-                                 "ratio": round(tok_s / off_tok_s[case], 3) if case in off_tok_s else None,
-                                 "ids_per_token": None if stats["ids_per_token"] is None
-                                 else round(stats["ids_per_token"], 1),
-                                 "bytes_per_token": round(stats["bytes_per_token"], 1),
-                                 "server_rss_mb": round(rss, 1), "wall_s": round(result.wall_s, 2),
-                                 "tokens": stats["tokens"], "errors": len(result.errors),
-                                 **{f"cpu_ms_per_token_{role}": round(1000 * (cpu_after[role] - cpu_before[role])
-                                                                      / max(stats["tokens"], 1), 2)
-                                    for role in cpu_after}})
-                    print(rows[-1], flush=True)
-            if name == "on" and args.rss_requests:
-                memory = asyncio.run(rss_check(server, args.rss_requests, args.clients))
-                print("memory:", memory, flush=True)
-        finally:
+                for name, fmt in [("off", None), *(("on", f) for f in args.formats)]:
+                    run = measure(servers[name], case, fmt, args)
+                    run["round"] = round_index
+                    runs.append(run)
+                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in run.items()}, flush=True)
+        if args.rss_requests:
+            memory = asyncio.run(rss_check(servers["on"], args.rss_requests, args.clients))
+            print("memory:", memory, flush=True)
+    finally:
+        for server in servers.values():
             server.stop()
 
-    print_table(rows, ["case", "format", "tok_s", "ratio", "ids_per_token", "bytes_per_token", "server_rss_mb",
-                       "cpu_ms_per_token_api", "cpu_ms_per_token_engine", "cpu_ms_per_token_worker", "errors"])
+    rows = summarise(runs)
+    print_table(rows, ["case", "format", "tok_s", "ratio", "ratio_min", "ratio_max", "ids_per_token",
+                       "bytes_per_token", "server_rss_mb", "cpu_ms_per_token_api", "cpu_ms_per_token_engine",
+                       "cpu_ms_per_token_worker", "errors"])
     payload = {"machine": info, "clients": args.clients, "requests_per_client": args.requests_per_client,
-               "max_tokens": args.max_tokens, "server_args": args.server_args, "cases": CASES, "runs": rows,
-               "memory": memory}
+               "max_tokens": args.max_tokens, "rounds": args.rounds, "server_args": args.server_args,
+               "cases": CASES, "summary": rows, "runs": runs, "memory": memory}
     path = write_json(args.name, payload)
     plot(rows, png_path(args.name))
     print(f"wrote {path} and {png_path(args.name)}")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 
+import httpx
+import numpy as np
 import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -100,3 +103,67 @@ def test_mixed_batch_with_opt_out_and_different_lengths(mask_server):
             assert "sampling_mask" not in choice or choice["sampling_mask"] is None
         else:
             check_aligned(choice["sampling_mask"], choice["sampling_logz"], choice["token_ids"], max_size=8)
+
+
+VOCAB = 49152  # the embedded model's logits width
+
+
+def bitmap_ids(text: str) -> list[int]:
+    """The kept ids of a bitmap entry, decoded as docs/sampling.md shows."""
+    raw = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8)
+    assert len(raw) == (VOCAB + 7) // 8
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+
+
+def decoded(masks: list) -> list:
+    return [m if m is None or isinstance(m, list) else bitmap_ids(m) for m in masks]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bitmap_and_ids_give_the_same_tokens_and_sets_completions(mask_client, stream):
+    results = {}
+    for fmt in ("ids", "bitmap"):
+        kwargs = dict(model=MODEL, prompt="The sea is", temperature=1.2, top_p=0.95, max_tokens=8, seed=11,
+                      extra_body={"return_token_ids": True, "sampling_mask_format": fmt, "ignore_eos": True})
+        if stream:
+            chunks = [ch.model_dump() for c in mask_client.completions.create(stream=True, **kwargs)
+                      for ch in c.choices]
+            results[fmt] = ([t for c in chunks for t in (c.get("token_ids") or [])],
+                            [m for c in chunks for m in (c.get("sampling_mask") or [])],
+                            [z for c in chunks for z in (c.get("sampling_logz") or [])])
+        else:
+            c = mask_client.completions.create(**kwargs).choices[0].model_dump()
+            results[fmt] = (c["token_ids"], c["sampling_mask"], c["sampling_logz"])
+    (ids_tokens, ids_masks, ids_logz), (bm_tokens, bm_masks, bm_logz) = results["ids"], results["bitmap"]
+    assert bm_tokens == ids_tokens and bm_logz == ids_logz
+    assert all(isinstance(m, str) for m in bm_masks)
+    assert decoded(bm_masks) == ids_masks
+    check_aligned(decoded(bm_masks), bm_logz, bm_tokens)
+    assert max(len(m) for m in ids_masks) > 1000  # large sets, where the bitmap is the smaller form
+
+
+def test_bitmap_and_ids_give_the_same_sets_chat_stream_with_json_mode(mask_client):
+    """Guided decoding with masks: each set lies inside the grammar's allowed tokens in both forms."""
+    results = {}
+    for fmt in ("ids", "bitmap"):
+        chunks = [ch.model_dump() for c in mask_client.chat.completions.create(
+            model=MODEL, messages=CHAT, temperature=0.9, top_k=40, max_tokens=10, seed=3, stream=True,
+            response_format={"type": "json_object"},
+            extra_body={"return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
+        results[fmt] = ([t for c in chunks for t in (c.get("token_ids") or [])],
+                        [m for c in chunks for m in (c.get("sampling_mask") or [])])
+    assert results["bitmap"][0] == results["ids"][0]
+    assert decoded(results["bitmap"][1]) == results["ids"][1]
+    assert all(len(m) <= 40 for m in results["ids"][1])
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+])
+@pytest.mark.parametrize("value", ["bits", "IDS", 3, ""])
+def test_unknown_sampling_mask_format_is_a_400(mask_server, path, body, value):
+    resp = httpx.post(mask_server.base_url + path, json={**body, "sampling_mask_format": value}, timeout=30)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "sampling_mask_format" and error["type"] == "invalid_request_error"

@@ -49,3 +49,28 @@ def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(
 def test_invalid_speculative_config_fails_at_start():
     with pytest.raises(RuntimeError):
         RunningServer("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}')
+
+
+def test_speculative_masks_are_the_same_sets_as_bitmaps(spec_server):
+    """Accepted drafts arrive several to a delta; their bitmaps cut and align like the id lists."""
+    import base64
+
+    import numpy as np
+
+    spec_client = spec_server.openai_client()
+    messages = [{"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]
+    runs = {}
+    for fmt in ("ids", "bitmap"):
+        chunks = [ch.model_dump() for c in spec_client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, temperature=0.7, top_k=30, seed=7, max_tokens=40,
+            stream=True, extra_body={"return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
+        runs[fmt] = ([t for c in chunks for t in (c.get("token_ids") or [])],
+                     [m for c in chunks for m in (c.get("sampling_mask") or [])])
+    tokens, masks = runs["ids"]
+    assert len(masks) == len(tokens) > 0
+    bm_tokens, bitmaps = runs["bitmap"]
+    assert bm_tokens == tokens
+    decoded = [np.flatnonzero(np.unpackbits(np.frombuffer(base64.b64decode(b), np.uint8), bitorder="little"))
+               .tolist() for b in bitmaps]
+    assert decoded == masks
+    assert all(t in m and len(m) <= 30 for t, m in zip(tokens, masks))

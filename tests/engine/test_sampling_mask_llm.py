@@ -66,3 +66,25 @@ def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
         assert bool(allowed[mask].all()), "a kept token was outside the grammar"
         assert state.accept(token)
     service.shutdown()
+
+
+def test_bitmap_format_offline_gives_the_same_tokens_and_sets(mask_llm):
+    import numpy as np
+
+    outs = {}
+    for fmt in ("ids", "bitmap"):
+        params = SamplingParams(temperature=1.3, top_p=0.97, max_tokens=6, seed=4, ignore_eos=True,
+                                sampling_mask_format=fmt)
+        outs[fmt] = mask_llm.generate("Once upon a time", params)[0].outputs[0]
+    ids, bitmap = outs["ids"], outs["bitmap"]
+    assert bitmap.token_ids == ids.token_ids and bitmap.sampling_logz == ids.sampling_logz
+    width = (mask_llm.engine.executor.runner.model_config.vocab_size + 7) // 8
+    for raw, want in zip(bitmap.sampling_mask, ids.sampling_mask):
+        assert isinstance(raw, bytes) and len(raw) == width
+        assert np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")).tolist() == want
+
+
+def test_unknown_mask_format_offline_is_refused(mask_llm):
+    with pytest.raises(ParameterError) as info:
+        mask_llm.generate("hi", SamplingParams(sampling_mask_format="bits"))
+    assert info.value.param == "sampling_mask_format"
