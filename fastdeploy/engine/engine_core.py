@@ -49,7 +49,7 @@ class EngineCore:
                                    num_draft_model_slots=spec.num_speculative_tokens + 1 if spec and spec.method == "mtp"
                                    else 0)
         self.spec_stats = SpecDecodeStats()
-        self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len, info.vocab_size)
+        self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
                                    guided_decoding=config.guided_decoding_backend != "off")
@@ -128,7 +128,8 @@ class EngineCore:
             if seq.seq_id not in self._registered:
                 self._registered.add(seq.seq_id)
                 self._on_worker.add(seq.seq_id)
-                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params, seq.return_sampling_mask))
+                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params,
+                                                 seq.return_sampling_mask, seq.sampling_mask_bitmap))
             end = chunk.start + chunk.num_tokens
             chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
                                      list(seq.block_ids), chunk.samples, chunk.num_lookahead))
@@ -146,7 +147,7 @@ class EngineCore:
         deltas += self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
         self.spec_stats.add(events)
-        applied = self.token_processor.apply(output.frame, self.sequences, terminated)
+        applied = self.token_processor.apply(output.frame, self.sequences, terminated, output.mask_bits)
         for seq, delta in applied.results:
             if delta.finish_reason is not None:
                 self._release(seq)

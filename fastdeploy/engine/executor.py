@@ -15,7 +15,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_input import StepInput, WorkerEvents
-from fastdeploy.worker.step_output import LaunchedStep, StepOutput
+from fastdeploy.worker.step_output import LaunchedStep, StepOutput, decode_mask_bits
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
 
 
@@ -114,7 +114,7 @@ class WorkerProcessExecutor:
         kind, *payload = self._recv(self.step_timeout_s)
         if kind != FRAME:
             raise WorkerError(f"worker step failed:\n{payload[0].decode()}")
-        return StepOutput(payload[0], self._events_decoder.decode(payload[1]))
+        return StepOutput(payload[0], self._events_decoder.decode(payload[1]), mask_bits=decode_mask_bits(payload[2]))
 
     def shutdown(self) -> None:
         if self.process.is_alive():

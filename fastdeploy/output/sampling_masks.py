@@ -111,10 +111,6 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
         end = int(self.offsets_array()[n])
         return SamplingMasks(self.offsets[:(n + 1) * _I32.itemsize], self.ids[:end * _I32.itemsize])
 
-    def to_bitmaps(self, vocab_size: int) -> SamplingBitmaps:
-        """The same rows as bitmaps over a vocabulary of `vocab_size` ids."""
-        return csr_to_bitmaps(self.offsets_array(), self.ids_array(), vocab_size)
-
     def id_rows(self) -> list[np.ndarray | None]:
         """One int32 numpy view of the ids per token, None for a null row: what a JSON encoder
         that writes numpy arrays (orjson) takes without a Python int per id."""
@@ -229,29 +225,12 @@ class SamplingBitmaps(msgspec.Struct, array_like=True, frozen=True, gc=False, ta
         return [None if row is None else binascii.b2a_base64(row, newline=False).decode("ascii")
                 for row in self.rows()]
 
-    def to_lists(self) -> list[list[int] | None]:
-        """The kept ids of every token (tests and debugging; the wire never builds these)."""
-        return [None if row is None else
-                np.flatnonzero(np.unpackbits(np.frombuffer(row, np.uint8), bitorder="little")).tolist()
-                for row in self.rows()]
 
-
-def csr_to_bitmaps(offsets: np.ndarray, ids: np.ndarray, vocab_size: int) -> SamplingBitmaps:
-    """Bitmaps of a CSR's rows (offsets need not start at 0), in one numpy pass for all rows:
-    every kept id sets one bit of a zeroed [rows, width * 8] bit array, packed little-endian."""
-    width = bitmap_width(vocab_size)
-    offsets64 = offsets.astype(np.int64)
-    lengths = np.diff(offsets64)
-    present = lengths > 0
-    num_rows = int(np.count_nonzero(present))
-    if num_rows == 0:
-        return SamplingBitmaps(width, present.astype(np.uint8).tobytes(), b"")
-    kept = np.asarray(ids[offsets64[0]:offsets64[-1]])
-    row_of_id = np.repeat(np.arange(num_rows, dtype=np.int64) * (width * 8), lengths[present])
-    flags = np.zeros(num_rows * width * 8, dtype=np.bool_)
-    flags[row_of_id + kept] = True
-    return SamplingBitmaps(width, present.astype(np.uint8).tobytes(),
-                           np.packbits(flags, bitorder="little").tobytes())
+def bitmap_rows(rows: np.ndarray) -> SamplingBitmaps:
+    """uint8 [n, width] bitmaps, one per token, all zero for a null row (a kept set is never
+    empty), as a run: the worker's form (`StepOutput.mask_bits`) to the wire's."""
+    present = rows.any(axis=1)
+    return SamplingBitmaps(rows.shape[1], present.astype(np.uint8).tobytes(), rows[present].tobytes())
 
 
 def concat_bitmaps(runs: Sequence[SamplingBitmaps]) -> SamplingBitmaps:
@@ -260,34 +239,3 @@ def concat_bitmaps(runs: Sequence[SamplingBitmaps]) -> SamplingBitmaps:
 
 SampledMasks = SamplingMasks | SamplingBitmaps  # a delta's masks in either wire format
 
-
-def bitmap_runs(offsets: np.ndarray, ids: np.ndarray, starts: Sequence[int], counts: Sequence[int],
-                vocab_size: int) -> list[SamplingBitmaps]:
-    """Bitmaps of the CSR rows `starts[r]:starts[r] + counts[r]` for every run r (a frame's views;
-    `offsets` need not start at 0), built in one numpy pass over all runs of a step."""
-    starts64 = np.asarray(starts, dtype=np.int64)
-    counts64 = np.asarray(counts, dtype=np.int64)
-    rows = np.repeat(starts64 - (np.cumsum(counts64) - counts64), counts64) + np.arange(int(counts64.sum()))
-    offsets64 = offsets.astype(np.int64)
-    row_starts = offsets64[rows]
-    lengths = offsets64[rows + 1] - row_starts
-    present = lengths > 0
-    width = bitmap_width(vocab_size)
-    bits_per_row = width * 8
-    # Each present row gets the next bitmap slot; every kept id sets one bit of its row's slot.
-    slot = np.cumsum(present) - 1
-    flat_lengths = lengths[present]
-    first = np.repeat(row_starts[present] - (np.cumsum(flat_lengths) - flat_lengths), flat_lengths)
-    kept = np.asarray(ids)[first + np.arange(int(flat_lengths.sum()), dtype=np.int64)]
-    flags = np.zeros(int(np.count_nonzero(present)) * bits_per_row, dtype=np.bool_)
-    flags[np.repeat(slot[present] * bits_per_row, flat_lengths) + kept] = True
-    bits = np.packbits(flags, bitorder="little").tobytes()
-    present_bytes = present.astype(np.uint8).tobytes()
-    out = []
-    row = 0
-    slots_before = np.concatenate([[0], np.cumsum(present)]).tolist()
-    for count in counts64.tolist():
-        a, b = slots_before[row], slots_before[row + count]
-        out.append(SamplingBitmaps(width, present_bytes[row:row + count], bits[a * width:b * width]))
-        row += count
-    return out

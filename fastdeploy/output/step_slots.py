@@ -30,6 +30,9 @@ class StepSlots:
     mask_offsets: Tensor | None = None  # int32 [B*S + 1], CSR over mask_ids, row b*S+s; empty row = null
     mask_ids: Tensor | None = None  # int32 [>= M]: ids past mask_offsets[-1] are never read
     logz: Tensor | None = None  # float32 [B, S]
+    # uint8 [B, S, ceil(V/8)]: bitmaps of the rows that asked for them (their CSR rows are empty).
+    # Not part of the packed frame: it travels beside it (`StepOutput.mask_bits`).
+    mask_bits: Tensor | None = None
 
     @property
     def has_logprobs(self) -> bool:

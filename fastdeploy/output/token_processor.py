@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.sampling_masks import LOGZ_BYTES, bitmap_runs, logz_buffer, split_runs
+from fastdeploy.output.sampling_masks import LOGZ_BYTES, bitmap_rows, logz_buffer, split_runs
 from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
@@ -39,16 +40,17 @@ class AppliedStep:
     holds the masked ones back needs no pass over `results` to find the others)."""
 
     frame: StepFrame
+    # uint8 [B, S, ceil(V/8)]: the bitmaps of sequences that asked for them (`StepOutput.mask_bits`).
+    mask_bits: np.ndarray | None = None
     results: list[tuple[Sequence, RequestDelta]] = field(default_factory=list)
     masked: list[MaskedRun] = field(default_factory=list)
     unmasked: list[RequestDelta] = field(default_factory=list)
 
 
 class TokenProcessor:
-    def __init__(self, eos_token_ids: list[int], max_model_len: int, vocab_size: int | None = None) -> None:
+    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.vocab_size = vocab_size  # the logits' width: a bitmap row covers it
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         params = seq.params
@@ -63,14 +65,15 @@ class TokenProcessor:
         return None, None
 
     def process(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
-                grammar_terminated: frozenset[int] = frozenset()) -> list[tuple[Sequence, RequestDelta]]:
+                grammar_terminated: frozenset[int] = frozenset(),
+                mask_bits: np.ndarray | None = None) -> list[tuple[Sequence, RequestDelta]]:
         """`apply` then `attach_masks`: the deltas complete."""
-        applied = self.apply(frame_bytes, sequences, grammar_terminated)
+        applied = self.apply(frame_bytes, sequences, grammar_terminated, mask_bits)
         self.attach_masks(applied)
         return applied.results
 
     def apply(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
-              grammar_terminated: frozenset[int] = frozenset()) -> AppliedStep:
+              grammar_terminated: frozenset[int] = frozenset(), mask_bits: np.ndarray | None = None) -> AppliedStep:
         """Append accepted tokens to their sequences; one delta per sequence in the frame, its
         sampling masks not yet attached.
 
@@ -79,7 +82,7 @@ class TokenProcessor:
         ids are not read here: on CUDA they may still be on their way to the host.
         """
         frame = unpack_step_frame(frame_bytes)
-        applied = AppliedStep(frame)
+        applied = AppliedStep(frame, mask_bits)
         has_mask = frame.mask_offsets is not None
         for run, part in enumerate(split_by_sequence(frame, with_masks=False)):
             seq = sequences.get(part.seq_id)
@@ -123,19 +126,15 @@ class TokenProcessor:
         runs = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         starts = frame.num_tokens.cumsum().tolist()
         logz = logz_buffer(frame.logz)
-        as_bitmaps = [m for m in applied.masked if m.bitmap]
-        if as_bitmaps:
-            if self.vocab_size is None:
-                raise ValueError("bitmap sampling masks need the TokenProcessor's vocab_size")
-            bitmaps = bitmap_runs(frame.mask_offsets, frame.mask_ids,
-                                  [starts[m.run] - counts[m.run] for m in as_bitmaps],
-                                  [m.kept for m in as_bitmaps], self.vocab_size)
-            for masked, bitmap in zip(as_bitmaps, bitmaps):
-                masked.delta.sampling_mask = bitmap
+        bits = applied.mask_bits
         for masked in applied.masked:
             count = counts[masked.run]
             start = starts[masked.run] - count
-            if not masked.bitmap:
+            if masked.bitmap:
+                if bits is None:
+                    raise ValueError("a sequence asked for bitmaps but the step sent none")
+                masked.delta.sampling_mask = bitmap_rows(bits[masked.run, :masked.kept])
+            else:
                 run = runs[masked.run]
                 # Most deltas keep their whole run; `head` is the cut at a finishing token.
                 masked.delta.sampling_mask = run if masked.kept == count else run.head(masked.kept)

@@ -64,6 +64,7 @@ class WorkerSequence:
     params: SamplingParams
     return_sampling_mask: bool
     generator: torch.Generator | None
+    sampling_mask_bitmap: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     pending_drafts: list[int] = field(default_factory=list)  # MTP: drafted after the last step
 
@@ -193,7 +194,7 @@ class ModelRunner:
         if new.params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
         self.sequences[new.seq_id] = WorkerSequence(
-            new.prompt_token_ids, new.params, new.return_sampling_mask, generator
+            new.prompt_token_ids, new.params, new.return_sampling_mask, generator, new.sampling_mask_bitmap
         )
         if self.guided is not None:
             self.guided.on_prompt(new.seq_id, new.prompt_token_ids)
@@ -260,7 +261,8 @@ class ModelRunner:
         may_redraw = kept_set_gpu.uses_fast_path(self.device) and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
 
-        def pack(output: SamplerOutput) -> tuple[torch.Tensor, StepFrame, list[int], torch.cuda.Event | None]:
+        def pack(output: SamplerOutput) -> tuple[torch.Tensor, StepFrame, list[int], torch.cuda.Event | None,
+                                                 np.ndarray | None]:
             slots = _step_slots(step.message_id, seq_ids, slot_drafts, output)
             pending = None
             if slots.has_mask and slots.token_ids.is_cuda and not drafts:
@@ -277,11 +279,13 @@ class ModelRunner:
                 # The step's one synchronisation: the packer's copy of the frame to the host.
                 packed = pack_step_slots_tensor(slots)
                 frame = unpack_step_frame_op(packed)
-            return packed, frame, frame.token_ids.tolist(), pending
+            # After the frame's head: the bitmaps are written by then, so this copy does not wait.
+            bits = slots.mask_bits.cpu().numpy() if slots.mask_bits is not None else None
+            return packed, frame, frame.token_ids.tolist(), pending, bits
 
         sampled = self.sampler(logits, metadata, settle_kept_sets=False)
         yield  # the step's device work is queued: the caller may use its thread until `result()`
-        packed, frame, tokens, pending = pack(sampled)
+        packed, frame, tokens, pending, bits = pack(sampled)
         del sampled
         if may_redraw and UNSETTLED_TOKEN in tokens:
             # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
@@ -290,7 +294,7 @@ class ModelRunner:
             for g, state in zip(metadata.generators, rng_states):
                 if g is not None:
                     g.set_state(state)
-            packed, frame, tokens, pending = pack(self.sampler(logits, metadata, settle_kept_sets=True))
+            packed, frame, tokens, pending, bits = pack(self.sampler(logits, metadata, settle_kept_sets=True))
         counts = frame.num_tokens.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts)]
@@ -314,7 +318,7 @@ class ModelRunner:
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, slot_drafts) if d)
         if self.mtp is not None:
             self._mtp_step(chunks, hidden, dict(zip(seq_ids, counts)), drafts)
-        return StepOutput(result, events, pending)
+        return StepOutput(result, events, pending, bits)
 
     def follow(self) -> bool:
         """Ranks > 0: run the forward passes rank 0 plans, taking part in their collectives.
@@ -488,11 +492,14 @@ class ModelRunner:
                    np.array([p.frequency_penalty for p in params], dtype=np.float32)]
         # Optional inputs follow, each present only when some row needs it.
         wants_mask = np.array([s.return_sampling_mask for s in states], dtype=np.bool_)
+        wants_bits = wants_mask & np.array([s.sampling_mask_bitmap for s in states], dtype=np.bool_)
         if wants_mask.any():
             slots = np.full(len(states), -1, dtype=np.int32)
             slots[groups[0]] = kept_set_gpu.GREEDY_SLOT
             slots[groups[1]] = np.arange(len(groups[1]), dtype=np.int32)
             columns += [wants_mask, slots]
+            if wants_bits.any():
+                columns.append(wants_bits)
         histories = None
         if any(p.has_penalties for p in params):
             histories = [_padded([s.prompt_token_ids for s in states]), _padded([s.output_token_ids for s in states])]
@@ -504,6 +511,7 @@ class ModelRunner:
         on_device = iter(upload(columns, self.device))
         t, k, p_, m, g_rows, t_rows, p_rows, rep, pres, freq = (next(on_device) for _ in range(10))
         mask, slots = (next(on_device), next(on_device)) if wants_mask.any() else (None, None)
+        bitmap_rows = next(on_device) if wants_bits.any() else None
         prompt_ids = output_ids = None
         if histories is not None:
             prompt_ids, output_ids = (next(on_device).view(h.shape) for h in histories)
@@ -526,6 +534,7 @@ class ModelRunner:
             max_num_logprobs=max(wants_logprobs, default=-1),
             logprobs_mode=self.config.logprobs_mode,
             return_sampling_mask=mask,
+            mask_bitmap_rows=bitmap_rows,
             row_groups=RowGroups(g_rows, t_rows, p_rows, tuple(g.tolist() for g in groups), mask_slots=slots,
                                  truncated_top_k=top_k[groups[1]] if mask is not None else None),
         )
@@ -600,6 +609,8 @@ def _step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]
             slots.ranks = out.sampled_token_ranks.view(batch, 1)
         if out.mask_offsets is not None:
             slots.mask_offsets, slots.mask_ids, slots.logz = out.mask_offsets, out.mask_ids, out.logz.view(batch, 1)
+        if out.mask_bits is not None:
+            slots.mask_bits = out.mask_bits.view(batch, 1, -1)
         return slots
     starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
     index = np.full((batch, width), -1, dtype=np.int64)
@@ -628,4 +639,6 @@ def _step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
         offsets[1:] = lengths.flatten().cumsum(0)
         slots.mask_offsets, slots.mask_ids, slots.logz = offsets, out.mask_ids, out.logz[rows]
+    if out.mask_bits is not None:
+        slots.mask_bits = out.mask_bits[rows]  # padding slots are never accepted, so never read
     return slots

@@ -15,6 +15,7 @@ class NewSequence(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     return_sampling_mask: bool
+    sampling_mask_bitmap: bool = False  # the kept sets go out as bitmaps
 
 
 class ChunkInput(msgspec.Struct, array_like=True):

@@ -7,6 +7,8 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from fastdeploy.output.step_frame import FrameBuffer
 from fastdeploy.worker.step_input import WorkerEvents
 
@@ -26,6 +28,10 @@ class StepOutput:
     # offsets, logZ) is on the host; its mask ids, most of its bytes, are not there until
     # this completes. None: the whole frame is there.
     mask_ids_pending: Completion | None = None
+    # uint8 [B, S, ceil(V/8)] on the host, B and S the frame's sequences and slots: the kept
+    # sets of rows that asked for bitmaps (all zero: null), which the frame's CSR leaves empty.
+    # Sequence b's accepted tokens are its first num_tokens[b] slots. None: no such row.
+    mask_bits: np.ndarray | None = None
 
     def wait_mask_ids(self) -> None:
         """Returns once every byte of the frame is on the host."""
@@ -59,3 +65,18 @@ class LaunchedStep:
             else:
                 raise RuntimeError("a runner step pauses once, after its launch")
         return self._output
+
+
+def encode_mask_bits(bits: np.ndarray | None) -> bytes | memoryview:
+    """`StepOutput.mask_bits` as one message part: its shape (3 int64) then its bytes; b"" for None."""
+    if bits is None:
+        return b""
+    return np.asarray(bits.shape, dtype="<i8").tobytes() + np.ascontiguousarray(bits, dtype=np.uint8).tobytes()
+
+
+def decode_mask_bits(part: bytes | memoryview) -> np.ndarray | None:
+    """The inverse of `encode_mask_bits` (a read-only view of the part)."""
+    if not len(part):
+        return None
+    shape = np.frombuffer(part, dtype="<i8", count=3)
+    return np.frombuffer(part, dtype=np.uint8, offset=24).reshape(tuple(int(n) for n in shape))

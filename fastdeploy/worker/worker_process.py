@@ -20,6 +20,7 @@ from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.startup_heap import settle_collector
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_input import StepInput
+from fastdeploy.worker.step_output import encode_mask_bits
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
                 logger.exception("step failed")
                 sock.send_multipart([ERROR, traceback.format_exc().encode()])
                 continue
-            sock.send_multipart([FRAME, output.frame, encoder.encode(output.events)], copy=False)
+            sock.send_multipart([FRAME, output.frame, encoder.encode(output.events),
+                                 encode_mask_bits(output.mask_bits)], copy=False)
     finally:
         runner.shutdown()
         sock.close()

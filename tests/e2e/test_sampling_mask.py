@@ -147,9 +147,9 @@ def test_bitmap_and_ids_give_the_same_sets_chat_stream_with_json_mode(mask_clien
     results = {}
     for fmt in ("ids", "bitmap"):
         chunks = [ch.model_dump() for c in mask_client.chat.completions.create(
-            model=MODEL, messages=CHAT, temperature=0.9, top_k=40, max_tokens=10, seed=3, stream=True,
+            model=MODEL, messages=CHAT, temperature=0.9, max_tokens=10, seed=3, stream=True,
             response_format={"type": "json_object"},
-            extra_body={"return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
+            extra_body={"top_k": 40, "return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
         results[fmt] = ([t for c in chunks for t in (c.get("token_ids") or [])],
                         [m for c in chunks for m in (c.get("sampling_mask") or [])])
     assert results["bitmap"][0] == results["ids"][0]

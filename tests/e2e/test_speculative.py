@@ -62,8 +62,8 @@ def test_speculative_masks_are_the_same_sets_as_bitmaps(spec_server):
     runs = {}
     for fmt in ("ids", "bitmap"):
         chunks = [ch.model_dump() for c in spec_client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=messages, temperature=0.7, top_k=30, seed=7, max_tokens=40,
-            stream=True, extra_body={"return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
+            model="SmolLM2-135M-Instruct", messages=messages, temperature=0.7, seed=7, max_tokens=40, stream=True,
+            extra_body={"top_k": 30, "return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
         runs[fmt] = ([t for c in chunks for t in (c.get("token_ids") or [])],
                      [m for c in chunks for m in (c.get("sampling_mask") or [])])
     tokens, masks = runs["ids"]

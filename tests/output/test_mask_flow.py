@@ -17,6 +17,7 @@ from fastdeploy.output.sampling_masks import SamplingBitmaps, SamplingMasks, enc
 from fastdeploy.output.step_frame import StepFrame, pack_step_frame
 from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.sequence import Sequence
+from tests.bitmaps import bitmap_array, bitmap_lists
 
 
 def frame_of(seq_ids: list[int], tokens: list[list[int]], masks: list[list[list[int] | None]]) -> bytes:
@@ -64,13 +65,20 @@ def test_bitmap_and_ids_sequences_of_one_frame_get_the_same_sets():
         2: Sequence(2, "b", [5], SamplingParams(), return_sampling_mask=True),
         3: Sequence(3, "c", [5], SamplingParams(), return_sampling_mask=True, sampling_mask_bitmap=True),
     }
+    # The worker leaves bitmap rows empty in the CSR and sends their bitmaps beside the frame, one
+    # per slot [B, S, V/8] (slot 1 of sequence 2 is padding and never read).
+    csr_masks = [[None] * 4, masks[1], [None, None]]
+    bits = np.zeros((3, 4, 6144), dtype=np.uint8)
+    for b in (0, 2):
+        bits[b, :len(masks[b])] = bitmap_array(masks[b], 49152)
+    bits[1, 1:] = 255
     out = {seq.seq_id: delta for seq, delta in
-           TokenProcessor([0], 512, vocab_size=49152).process(frame_of([1, 2, 3], tokens, masks), sequences)}
+           TokenProcessor([0], 512).process(frame_of([1, 2, 3], tokens, csr_masks), sequences, mask_bits=bits)}
     assert isinstance(out[1].sampling_mask, SamplingBitmaps) and isinstance(out[3].sampling_mask, SamplingBitmaps)
     assert isinstance(out[2].sampling_mask, SamplingMasks)
-    assert out[1].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]  # cut at the stop token
+    assert bitmap_lists(out[1].sampling_mask) == [[1, 2], None, [stop, 100]]  # cut at the stop token
     assert out[2].sampling_mask.to_lists() == [[3, 49151]]
-    assert out[3].sampling_mask.to_lists() == [[0], [5, 6]]
+    assert bitmap_lists(out[3].sampling_mask) == [[0], [5, 6]]
     assert logz_values(out[3].logz) == pytest.approx([-0.5, -0.6])
     assert out[1].sampling_mask.width == 6144
 

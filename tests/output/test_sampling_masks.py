@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from fastdeploy.engine.request import EngineOutputs, RequestDelta
+from tests.bitmaps import bitmap_array, bitmap_lists
 from fastdeploy.output.sampling_masks import (
     SamplingBitmaps,
     SamplingMasks,
-    bitmap_runs,
+    bitmap_rows,
     bitmap_width,
     concat_masks,
     encode_buffers,
@@ -115,11 +116,10 @@ def test_bitmaps_hold_the_same_sets_as_the_ids(vocab_size: int):
         size = int(rng.integers(0, min(vocab_size, 3000) + 1)) if i % 5 else 0
         lists.append(sorted(rng.choice(vocab_size, size, replace=False).tolist()) if size else None)
     lists.append(list(range(vocab_size)))  # every id kept, the last bit included
-    masks = SamplingMasks.from_lists(lists)
-    bitmaps = masks.to_bitmaps(vocab_size)
+    bitmaps = bitmap_rows(bitmap_array(lists, vocab_size))
     assert bitmaps.width == bitmap_width(vocab_size) == -(-vocab_size // 8)
     assert len(bitmaps) == len(lists)
-    assert bitmaps.to_lists() == lists
+    assert bitmap_lists(bitmaps) == lists
     encoded = bitmaps.to_base64()
     for text, want in zip(encoded, lists):
         if want is None:
@@ -131,31 +131,18 @@ def test_bitmaps_hold_the_same_sets_as_the_ids(vocab_size: int):
         assert decode_bitmap(text, vocab_size) == want
 
 
-def test_bitmap_runs_of_a_frame_match_each_run_converted_alone():
-    rng = np.random.default_rng(3)
-    lists = random_masks(rng, 24)
-    csr = SamplingMasks.from_lists(lists)
-    offsets = csr.offsets_array() + 7  # a frame's CSR need not start at 0
-    ids = np.concatenate([np.full(7, 49151, "<i4"), csr.ids_array()])
-    starts, counts = [0, 3, 3, 10, 20], [3, 0, 5, 10, 4]
-    runs = bitmap_runs(offsets, ids, starts, counts, 49152)
-    for run, start, count in zip(runs, starts, counts):
-        assert run.to_lists() == lists[start:start + count]
-        assert run == SamplingMasks.from_lists(lists[start:start + count]).to_bitmaps(49152)
-    assert bitmap_runs(offsets, ids, [], [], 49152) == []
-
-
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 9])
 def test_bitmap_head_and_concat_match_list_slices(n: int):
-    bitmaps = SamplingMasks.from_lists(MASKS).to_bitmaps(49152)
-    assert bitmaps.head(n).to_lists() == MASKS[:n]
-    parts = [bitmaps.head(2), SamplingMasks.from_lists(MASKS[2:]).to_bitmaps(49152)]
-    assert concat_masks(parts).to_lists() == MASKS
+    bitmaps = bitmap_rows(bitmap_array(MASKS, 49152))
+    assert bitmap_lists(bitmaps.head(n)) == MASKS[:n]
+    assert len(bitmaps.head(n)) == len(MASKS[:n])
+    parts = [bitmaps.head(2), bitmap_rows(bitmap_array(MASKS[2:], 49152))]
+    assert bitmap_lists(concat_masks(parts)) == MASKS
     assert concat_masks(parts).owned() == bitmaps
 
 
 def test_bitmaps_round_trip_inside_a_delta_beside_ids():
-    bitmaps = SamplingMasks.from_lists(MASKS).to_bitmaps(49152)
+    bitmaps = bitmap_rows(bitmap_array(MASKS, 49152))
     deltas = [RequestDelta("r-0", list(range(5)), sampling_mask=bitmaps),
               RequestDelta("r-1", list(range(5)), sampling_mask=SamplingMasks.from_lists(MASKS))]
     raw = msgspec.msgpack.Encoder(enc_hook=encode_buffers).encode(EngineOutputs(deltas))

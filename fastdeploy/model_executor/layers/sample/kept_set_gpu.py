@@ -809,8 +809,12 @@ def fill_sampling_mask_dense(
     slots: torch.Tensor,
     capacity: int,
     kept: GpuKeptSet | None,
+    skip_rows: torch.Tensor | None = None,
 ) -> None:
     """`sampler._fill_sampling_mask` on CUDA: the CSR compacted from the kept bounds.
+
+    skip_rows bool [B]: rows that keep their logz but get an empty CSR row (the caller
+    writes their kept sets as bitmaps).
 
     slots int32 [B]: a truncating row's index in ``kept`` (>= 0), `GREEDY_SLOT` for a greedy
     row, -1 for a plain one. Truncating rows take their kept set; greedy rows their sampled
@@ -841,6 +845,8 @@ def fill_sampling_mask_dense(
     _mask_rows_kernel[(b,)](x, x.stride(0), v, slots, requested, out.sampled_token_ids, *trunc, full_row,
                             value, last, counts, logz, src, offsets, GREEDY=GREEDY_SLOT,
                             TRUNCATED=kb is not None, CANDIDATE_ROWS=pf is not None, BLOCK=2 * BLOCK, num_warps=4)
+    if skip_rows is not None:
+        counts.masked_fill_(skip_rows, 0)  # an empty CSR row: the compaction does not read it
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
     out.mask_offsets = offsets
     out.mask_ids = compact(x, KeptBounds(value, last, counts, logz), offsets, capacity,

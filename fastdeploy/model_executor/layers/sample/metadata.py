@@ -54,6 +54,8 @@ class SamplingMetadata:
     logprobs_mode: str  # "raw_logprobs" | "processed_logprobs"
     # Rows whose kept set (sampling mask) is wanted; None when no row wants it.
     return_sampling_mask: torch.Tensor | None  # bool [B]
+    # bool [B]: rows (a subset of return_sampling_mask's) whose kept sets go out as bitmaps.
+    mask_bitmap_rows: torch.Tensor | None = None
     # Optional guided-decoding bitmask: int32 [B, ceil(V / 32)], bit set = allowed.
     token_bitmask: torch.Tensor | None = None
     # Row split known on the host; None makes the sampler derive it on the device.
@@ -76,3 +78,7 @@ class SamplerOutput:
     # sized without reading the offsets back; what lies past mask_offsets[-1] is unspecified.
     mask_ids: torch.Tensor | None
     logz: torch.Tensor | None  # float32 [B]; 0.0 for null rows
+    # uint8 [B, ceil(V/8)]: the kept sets of the rows that asked for bitmaps (bit i % 8 of byte
+    # i // 8, LSB first; all zero for a null row), whose CSR rows are left empty; zeros for the
+    # other rows. None when no row asked for bitmaps.
+    mask_bits: torch.Tensor | None = None

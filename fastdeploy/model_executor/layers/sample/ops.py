@@ -132,3 +132,17 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     t = temperature.to(logits.dtype)
     t = torch.where(t > 0, t, torch.ones_like(t))
     return logits / t.unsqueeze(1)
+
+
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """bool [R, V] -> uint8 [R, ceil(V/8)]: bit i % 8 of byte i // 8 is flags[:, i], least
+    significant bit first (numpy's packbits(..., bitorder="little")), on the flags' device."""
+    rows, v = flags.shape
+    pad = -v % 8
+    if pad:
+        flags = torch.nn.functional.pad(flags, (0, pad))
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=flags.device)
+    return (flags.view(rows, -1, 8).to(torch.uint8) * weights).sum(dim=2, dtype=torch.uint8)
