@@ -10,7 +10,7 @@ Each server gets the same load per case: `--clients` concurrent clients, each se
 `--requests-per-client` non-streaming `/v1/completions` requests of exactly `--max-tokens`
 tokens (EOS ignored, seeded), as an RL rollout does; the flag-on server gets it once per
 `sampling_mask_format`. Every run is repeated `--rounds` times, off and on back to back
-within a round, and the table gives medians (the ratio: the median of the rounds' ratios,
+within a round (in reverse order every other round), and the table gives medians (the ratio: the median of the rounds' ratios,
 with their range). Cases:
 
 - peaked: temperature 1.0, top_p 0.9 (a trained model keeps a few to a few hundred ids);
@@ -161,10 +161,12 @@ def start_server(name: str, args: list[str], log_dir: str) -> Server:
     return server
 
 
-def warm_up(server: Server, mask_formats: list[str | None], max_tokens: int) -> None:
+def warm_up(server: Server, mask_formats: list[str | None], clients: int, max_tokens: int) -> None:
+    """The measured load's shape once, short: every batch size the runs reach is compiled (CUDA
+    graphs, Triton kernels) before the clock runs."""
     for case in CASES:
         for fmt in mask_formats:
-            asyncio.run(run_load(server, case, fmt, 2, 1, max_tokens, first_index=10_000))
+            asyncio.run(run_load(server, case, fmt, clients, 1, max_tokens, first_index=10_000))
 
 
 async def rss_check(server: Server, num_requests: int, clients: int) -> dict:
@@ -198,7 +200,9 @@ def plot(rows: list[dict], path: str) -> None:
 def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace) -> dict:
     """One timed run of the load against one server, with what it cost each process."""
     cpu_before = process_cpu_s(server)
+    client_before = time.process_time()
     result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens))
+    client_cpu_s = time.process_time() - client_before
     cpu_after = process_cpu_s(server)
     if result.errors:
         print(f"{case} {fmt}: {len(result.errors)} errors, first: {result.errors[0]}")
@@ -207,6 +211,8 @@ def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace
             "ids_per_token": stats["ids_per_token"], "bytes_per_token": stats["bytes_per_token"],
             "server_rss_mb": server_rss_mb(server), "wall_s": result.wall_s, "tokens": stats["tokens"],
             "errors": len(result.errors),
+            # The load generator's own CPU: it reads every body, so it must not be the bottleneck.
+            "client_cpu_share": client_cpu_s / result.wall_s,
             **{f"cpu_ms_per_token_{role}": 1000 * (cpu_after[role] - cpu_before[role]) / max(stats["tokens"], 1)
                for role in cpu_after}}
 
@@ -261,11 +267,14 @@ def main() -> None:
         # Both servers stay up; a run loads one while the other idles.
         for name, flag in (("off", []), ("on", ["--enable-keep-sampling-mask"])):
             servers[name] = start_server(f"{args.name}-{name}", [*flag, *extra], log_dir)
-        warm_up(servers["off"], [None], 4)
-        warm_up(servers["on"], list(args.formats), 4)
+        warm_up(servers["off"], [None], args.clients, 16)
+        warm_up(servers["on"], list(args.formats), args.clients, 16)
         for round_index in range(args.rounds):
             for case in args.cases:
-                for name, fmt in [("off", None), *(("on", f) for f in args.formats)]:
+                order = [("off", None), *(("on", f) for f in args.formats)]
+                # Every other round the other way round, so a machine that speeds up or slows
+                # down over a round does not favour one side.
+                for name, fmt in order if round_index % 2 == 0 else order[::-1]:
                     run = measure(servers[name], case, fmt, args)
                     run["round"] = round_index
                     runs.append(run)
@@ -280,7 +289,7 @@ def main() -> None:
     rows = summarise(runs)
     print_table(rows, ["case", "format", "tok_s", "ratio", "ratio_min", "ratio_max", "ids_per_token",
                        "bytes_per_token", "server_rss_mb", "cpu_ms_per_token_api", "cpu_ms_per_token_engine",
-                       "cpu_ms_per_token_worker", "errors"])
+                       "cpu_ms_per_token_worker", "client_cpu_share", "errors"])
     payload = {"machine": info, "clients": args.clients, "requests_per_client": args.requests_per_client,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "server_args": args.server_args,
                "cases": CASES, "summary": rows, "runs": runs, "memory": memory}

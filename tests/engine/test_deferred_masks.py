@@ -18,11 +18,12 @@ from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.output.sampling_masks import logz_values
+from fastdeploy.output.sampling_masks import SamplingBitmaps, logz_values
 from fastdeploy.output.step_frame import unpack_step_frame
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.worker.step_input import StepInput
 from fastdeploy.worker.step_output import LaunchedStep, StepOutput
+from tests.bitmaps import bitmap_lists
 from tests.random_qwen2 import save_random_qwen2
 
 # (sampling settings, max_tokens, wants the mask): finishing at different steps, one opted out.
@@ -119,11 +120,13 @@ def _config(model_dir: str, device: str) -> EngineConfig:
                         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64))
 
 
-def _run(core: EngineCore, abort_after: dict[str, int] | None = None) -> tuple[dict, list[list[RequestDelta]]]:
+def _run(core: EngineCore, abort_after: dict[str, int] | None = None,
+         mask_format: str = "ids") -> tuple[dict, list[list[RequestDelta]]]:
     """Per request: tokens, mask lists, logZ, finish reason; and the deltas of every step() call.
-    `abort_after[r] = n` aborts request r once n of its tokens are out."""
+    `abort_after[r] = n` aborts request r once n of its tokens are out. Bitmaps are decoded to lists."""
     for i, (mix, max_tokens, mask) in enumerate(MIXES):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=11 + i, return_sampling_mask=mask, **mix)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=11 + i, return_sampling_mask=mask,
+                                sampling_mask_format=mask_format, **mix)
         core.add_request(EngineRequest(f"r{i}", [3 + i, 17, 42, 5 * i + 1, 9], params, 0.0))
     out = {f"r{i}": ([], [], [], None) for i in range(len(MIXES))}
     calls = []
@@ -136,7 +139,8 @@ def _run(core: EngineCore, abort_after: dict[str, int] | None = None) -> tuple[d
                 assert finish is None, f"{d.request_id}: a delta after its finish"
                 tokens += d.token_ids
                 if d.sampling_mask is not None:
-                    rows = d.sampling_mask.to_lists()
+                    rows = (bitmap_lists(d.sampling_mask) if isinstance(d.sampling_mask, SamplingBitmaps)
+                            else d.sampling_mask.to_lists())
                     assert len(rows) == len(d.token_ids) == len(logz_values(d.logz))
                     masks += rows
                     logz += logz_values(d.logz)
@@ -217,3 +221,25 @@ def test_cuda_deferred_masks_equal_waiting_for_every_frame(model_dir) -> None:
     assert deferred == waited
     _assert_masks_hold_their_tokens(deferred)
     assert _first_call(calls, "r0") == _first_call(calls, "r2") + 1  # the CUDA path did defer
+
+
+def test_bitmap_deltas_hold_the_sets_of_the_id_lists(model_dir) -> None:
+    """Bitmaps come from the worker beside the frame; deferred and cut per delta they give the
+    id lists' sets, tokens and logZ."""
+    ids, _ = _run(EngineCore(_config(model_dir, "cpu"), HoldingBackExecutor(_config(model_dir, "cpu"))))
+    bitmaps, _ = _run(EngineCore(_config(model_dir, "cpu"), HoldingBackExecutor(_config(model_dir, "cpu"))),
+                      mask_format="bitmap")
+    assert bitmaps == ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bitmaps_hold_the_sets_of_the_id_lists(model_dir) -> None:
+    config = _config(model_dir, "cuda")
+    ids, _ = _run(EngineCore(config, InProcessExecutor(config)))
+    bitmaps, _ = _run(EngineCore(config, InProcessExecutor(config)), mask_format="bitmap")
+    assert [v[0::3] for v in bitmaps.values()] == [v[0::3] for v in ids.values()]  # tokens, finish
+    assert [v[1] for v in bitmaps.values()] == [v[1] for v in ids.values()]
+    for request_id, values in ids.items():
+        assert bitmaps[request_id][2] == pytest.approx(values[2], abs=1e-5)
+    _assert_masks_hold_their_tokens(bitmaps)
