@@ -25,7 +25,6 @@ Row i holds `ids[offsets[i]:offsets[i + 1]]`; `offsets[0] == 0`. An empty row me
 
 from __future__ import annotations
 
-import binascii
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -219,11 +218,6 @@ class SamplingBitmaps(msgspec.Struct, array_like=True, frozen=True, gc=False, ta
             else:
                 out.append(None)
         return out
-
-    def to_base64(self) -> list[str | None]:
-        """The public form: one standard padded base64 string (RFC 4648) per token, None for null."""
-        return [None if row is None else binascii.b2a_base64(row, newline=False).decode("ascii")
-                for row in self.rows()]
 
 
 def bitmap_rows(rows: np.ndarray) -> SamplingBitmaps:

@@ -6,10 +6,12 @@ import base64
 from itertools import pairwise
 
 import msgspec
+import orjson
 import numpy as np
 import pytest
 
 from fastdeploy.engine.request import EngineOutputs, RequestDelta
+from fastdeploy.entrypoints.openai.formatting import bitmaps_json
 from tests.bitmaps import bitmap_array, bitmap_lists
 from fastdeploy.output.sampling_masks import (
     SamplingBitmaps,
@@ -120,7 +122,7 @@ def test_bitmaps_hold_the_same_sets_as_the_ids(vocab_size: int):
     assert bitmaps.width == bitmap_width(vocab_size) == -(-vocab_size // 8)
     assert len(bitmaps) == len(lists)
     assert bitmap_lists(bitmaps) == lists
-    encoded = bitmaps.to_base64()
+    encoded = orjson.loads(orjson.dumps(bitmaps_json(bitmaps)))
     for text, want in zip(encoded, lists):
         if want is None:
             assert text is None
@@ -153,3 +155,17 @@ def test_bitmaps_round_trip_inside_a_delta_beside_ids():
     assert back.deltas[1].sampling_mask.to_lists() == MASKS
     # 3 non-null rows of 6,144 bytes travel as one binary blob
     assert len(bitmaps.bits) == 3 * 6144 and bytes(bitmaps.bits) in raw
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 151936])  # rows of 6,144 bytes (3 | width) and 18,992 (not)
+@pytest.mark.parametrize("with_null", [False, True])
+def test_bitmaps_json_is_one_base64_string_per_row(vocab_size: int, with_null: bool):
+    rng = np.random.default_rng(vocab_size + with_null)
+    lists = [sorted(rng.choice(vocab_size, int(rng.integers(1, 500)), replace=False).tolist()) for _ in range(7)]
+    if with_null:
+        lists[3] = None
+    bitmaps = bitmap_rows(bitmap_array(lists, vocab_size))
+    written = orjson.loads(orjson.dumps({"sampling_mask": bitmaps_json(bitmaps)}))["sampling_mask"]
+    assert [None if text is None else decode_bitmap(text, vocab_size) for text in written] == lists
+    assert all(text is None or base64.b64encode(base64.b64decode(text)).decode() == text for text in written)
+    assert orjson.loads(orjson.dumps(bitmaps_json(bitmaps.head(0)))) == []

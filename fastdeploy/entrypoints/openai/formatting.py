@@ -2,12 +2,15 @@
 
 Bodies are encoded by orjson: a sampling mask's id rows go in as numpy views of the CSR,
 which orjson writes in C, so no Python int is made per kept id (a token's set can hold
-100,000 of them); bitmap rows go in as base64 strings.
+100,000 of them); bitmap rows go in as one pre-encoded JSON array (`orjson.Fragment`) of
+base64 strings, built from the bytes without a Python str per token.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
+import pybase64
 from fastapi.responses import Response
 
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, TokenLogprob
@@ -56,11 +59,40 @@ def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_i
     extra = {}
     masks = chunk_or_choice.sampling_masks
     if masks is not None:
-        extra["sampling_mask"] = masks.to_base64() if isinstance(masks, SamplingBitmaps) else masks.id_rows()
+        extra["sampling_mask"] = bitmaps_json(masks) if isinstance(masks, SamplingBitmaps) else masks.id_rows()
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     if return_token_ids:
         extra["token_ids"] = chunk_or_choice.token_ids
     return extra
+
+
+def bitmaps_json(bitmaps: SamplingBitmaps) -> orjson.Fragment:
+    """The JSON array of a run's bitmaps: one standard padded base64 string per token, null for
+    a null row.
+
+    pybase64 (SIMD) encodes about 8x faster than binascii, which took 45 µs of the 100 µs a
+    152k-vocabulary token cost the server. When every row is a bitmap and a row is a whole
+    number of 3-byte groups, the run is encoded in one call and numpy puts the quotes and
+    commas between the rows' equal-length strings."""
+    present = np.frombuffer(bitmaps.present, np.uint8)
+    width = bitmaps.width
+    if len(present) and present.all() and width % 3 == 0:
+        encoded = np.frombuffer(pybase64.b64encode(bitmaps.bits), np.uint8).reshape(len(present), -1)
+        rows = np.empty((len(present), encoded.shape[1] + 3), np.uint8)
+        rows[:, 0] = rows[:, -2] = ord('"')
+        rows[:, 1:-2] = encoded
+        rows[:, -1] = ord(",")
+        return orjson.Fragment(b"[" + rows.tobytes()[:-1] + b"]")
+    bits = memoryview(bitmaps.bits)
+    items = []
+    start = 0
+    for flag in present.tolist():
+        if flag:
+            items.append(b'"' + pybase64.b64encode(bits[start:start + width]) + b'"')
+            start += width
+        else:
+            items.append(b"null")
+    return orjson.Fragment(b"[" + b",".join(items) + b"]")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
