@@ -75,9 +75,9 @@ class HoldingBackExecutor(InProcessExecutor):
         frame = bytearray(output.frame)
         ids = unpack_step_frame(frame).mask_ids
         if ids is None or not len(ids):
-            return FinishedStep(StepOutput(frame, output.events))
+            return FinishedStep(StepOutput(frame, output.events, mask_bits=output.mask_bits))
         self.completions.append(HeldBackIds(ids))
-        return FinishedStep(StepOutput(frame, output.events, self.completions[-1]))
+        return FinishedStep(StepOutput(frame, output.events, self.completions[-1], output.mask_bits))
 
 
 class WaitingExecutor(InProcessExecutor):
