@@ -73,9 +73,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ParameterError(f"sampling_mask_format must be one of {', '.join(SAMPLING_MASK_FORMATS)}, "
                                  f"got {self.sampling_mask_format!r}", "sampling_mask_format")
         if vocab_size is not None:
-            for token_id in list(self.logit_bias) + list(self.stop_token_ids):
-                if not 0 <= token_id < vocab_size:
-                    raise ParameterError(f"token id {token_id} is outside the vocabulary", "logit_bias")
+            for name in ("logit_bias", "stop_token_ids"):
+                for token_id in getattr(self, name):
+                    if not 0 <= token_id < vocab_size:
+                        raise ParameterError(f"{name}: token id {token_id} is outside the vocabulary "
+                                             f"(0 to {vocab_size - 1})", name)
         for token_id, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
                 raise ParameterError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")

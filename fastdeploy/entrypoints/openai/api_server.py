@@ -14,12 +14,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_client import AsyncEngineClient
-from fastdeploy.entrypoints.openai.errors import APIError
+from fastdeploy.engine.errors import ParameterError
+from fastdeploy.entrypoints.openai.body_guard import BodyGuard
+from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_message
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy.entrypoints.openai.request_limits import TransportLimits
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.model_executor.model_loader import get_tokenizer
@@ -40,6 +44,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use; default: the model file's stem")
     parser.add_argument("--log-level", default="info")
+    TransportLimits.add_cli_args(parser)
     return EngineArgs.add_cli_args(parser)
 
 
@@ -53,6 +58,7 @@ def served_names(args: argparse.Namespace) -> list[str]:
 
 def build_app(args: argparse.Namespace) -> FastAPI:
     engine_args = EngineArgs.from_cli_args(args)
+    transport_limits = TransportLimits.from_cli_args(args)
     config = engine_args.create_engine_config()
     names = served_names(args)
     metrics = ServerMetrics()
@@ -81,13 +87,28 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        param = None if first.get("type") == "json_invalid" or not loc else loc[0]
+        message, param = validation_message(exc.errors())
         return APIError(400, message, "invalid_request_error", param).response()
+
+    @app.exception_handler(ParameterError)
+    async def parameter_error(_: Request, exc: ParameterError) -> JSONResponse:
+        return bad_request(str(exc), exc.param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Unknown routes, wrong methods and bodies the framework cannot read, in the same shape.
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        response = APIError(exc.status_code, str(exc.detail), kind).response()
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input: logged with its traceback by the server, answered in the usual shape.
+        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    # Added before the API-key check, so it runs after it: a body is read only for a client with the key.
+    app.add_middleware(BodyGuard, limits=transport_limits)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):

@@ -28,3 +28,24 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, "engine_unavailable")
+
+
+# Pydantic error types that only say "this union member's type did not match": when a field
+# accepts several shapes, another error of the same field says more.
+_TYPE_MISMATCHES = {"string_type", "list_type", "int_type", "int_from_float", "int_parsing", "float_type",
+                    "float_parsing", "dict_type", "bool_type", "bool_parsing", "model_type", "model_attributes_type",
+                    "none_required", "is_instance_of", "literal_error"}
+_MEMBER_TAGS = {"str", "int", "float", "bool", "constrained-str", "constrained-int", "constrained-float"}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for a request pydantic rejected: the most telling error, with union
+    member tags ("list[str]", "[key]") left out of the field path."""
+    if not errors:
+        return "invalid request", None
+    first = next((e for e in errors if e.get("type") not in _TYPE_MISMATCHES), errors[0])
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = loc[:1] + [p for p in loc[1:] if "[" not in p and p not in _MEMBER_TAGS]
+    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)

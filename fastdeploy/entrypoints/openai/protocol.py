@@ -4,9 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
+from fastdeploy.entrypoints.openai.request_limits import (
+    Choices,
+    Count,
+    LogitBias,
+    LogprobCount,
+    PromptTexts,
+    PromptTokenLists,
+    Seed,
+    StopString,
+    StopStrings,
+    StopTokenIds,
+    TokenIds,
+    TopK,
+)
 from fastdeploy.model_executor.guided_decoding.spec import guided_spec_from_request
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -20,6 +34,15 @@ class StreamOptions(BaseModel):
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def text_only(cls, data: Any) -> Any:
+        # Image, audio and file parts would make the server fetch or read what the URL names.
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise ValueError(f"content parts of type {data.get('type')!r} are not supported: this server takes "
+                             "text only and fetches no URLs or files")
+        return data
 
 
 class ChatMessage(BaseModel):
@@ -39,21 +62,22 @@ class ChatMessage(BaseModel):
 class CommonRequest(BaseModel):
     """Fields shared by chat and completions, including the extra sampling fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Infinity arrives as valid JSON (1e999); no sampling parameter means anything by it.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
-    n: int = 1
+    n: Choices = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Seed | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
@@ -120,10 +144,10 @@ class CommonRequest(BaseModel):
 
 class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
 
     def _num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -137,10 +161,11 @@ class ChatCompletionRequest(CommonRequest):
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | PromptTexts | TokenIds | PromptTokenLists
+    max_tokens: Count | None = 16
+    logprobs: LogprobCount | None = None
     echo: bool = False
+    best_of: Choices | None = None
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs

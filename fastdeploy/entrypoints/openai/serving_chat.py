@@ -12,6 +12,7 @@ from fastdeploy.entrypoints.openai.errors import bad_request
 from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, json_response, sse, usage
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+from fastdeploy.entrypoints.openai.validation import encode_text
 from fastdeploy.reasoning import ReasoningParser, ReasoningSplitter, get_reasoning_parser
 
 
@@ -28,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # template errors are the caller's messages, not ours
             raise bad_request(f"messages cannot be formatted with the chat template: {exc}", "messages") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, encode_text(self.tokenizer, text, "messages")
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request):
         self.check_model(request.model)

@@ -16,14 +16,16 @@ from fastdeploy.entrypoints.openai.formatting import (
 )
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+from fastdeploy.entrypoints.openai.validation import check_choices, encode_text
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw_request: Request):
         self.check_model(request.model)
         params = self.sampling_params(request)
-        prompts = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-                   for p in request.prompts()]
+        texts_or_ids = request.prompts()
+        check_choices(request, len(texts_or_ids))
+        prompts = [encode_text(self.tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in texts_or_ids]
         request_id = new_request_id("cmpl")
         engine_requests = self.engine_requests(request, request_id, prompts, params, "prompt")
         model = request.model or self.served_model_names[0]

@@ -18,6 +18,7 @@ from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_u
 from fastdeploy.entrypoints.openai.formatting import sse, usage
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import GUIDED_FIELDS, CommonRequest
+from fastdeploy.entrypoints.openai.validation import check_context, check_no_external_refs, check_sampling
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, RequestOutputState
 
@@ -52,19 +53,23 @@ class OpenAIServing:
         return APIError(status, message or "generation failed", "server_error")
 
     def sampling_params(self, request: CommonRequest) -> SamplingParams:
+        check_no_external_refs(request)
         try:
-            params = request.to_sampling_params()
+            return request.to_sampling_params()
         except ParameterError as exc:
             raise bad_request(str(exc), exc.param) from None
-        if params.n > 16:
-            raise bad_request("n must be at most 16", "n")
-        return params
 
     def engine_requests(self, request: CommonRequest, request_id: str, prompts: list[list[int]],
                         params: SamplingParams, prompt_param: str) -> list[EngineRequest]:
         """One engine request per (prompt, choice); validated here so a bad one is a 400, not a stream error."""
         if not self.client.healthy:
             raise engine_unavailable(f"the engine is not available: {self.client.dead_reason}")
+        limits = self.client.limits
+        check_sampling(request, limits)
+        max_tokens_param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None \
+            else "max_tokens"
+        for tokens in prompts:
+            check_context(len(tokens), params.max_tokens, limits, max_tokens_param, prompt_param)
         now = time.time()
         requests = []
         for p, tokens in enumerate(prompts):
@@ -72,7 +77,7 @@ class OpenAIServing:
                 requests.append(EngineRequest(f"{request_id}-{p}-{i}", tokens, params.for_choice(i), now))
         for engine_request in requests:
             try:
-                self.client.limits.validate(engine_request, prompt_param)
+                limits.validate(engine_request, prompt_param)
             except ParameterError as exc:
                 guided_field = request.guided_field()
                 param = guided_field if guided_field and exc.param in GUIDED_FIELDS else exc.param

@@ -1,0 +1,97 @@
+"""Checks of a parsed request that need the tokenizer or the engine's limits; each failure is a 400.
+
+Pydantic has checked types and ranges by now (see request_limits.py); what is left
+depends on the model (vocabulary, context length) or on several fields together.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastdeploy.engine.limits import EngineLimits
+from fastdeploy.entrypoints.openai.errors import APIError, bad_request
+from fastdeploy.entrypoints.openai.protocol import (
+    GUIDED_FIELDS,
+    ChatCompletionRequest,
+    CommonRequest,
+    CompletionRequest,
+)
+from fastdeploy.entrypoints.openai.request_limits import MAX_PROMPTS
+
+# JSON Schema keywords that name another schema by URI; only fragments of the same document may be used.
+REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def encode_text(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of user text; text the tokenizer cannot take is the caller's fault, not ours."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except Exception as exc:  # tokenizers raise TypeError, ValueError, Rust panics as exceptions
+        raise bad_request(f"`{param}` cannot be tokenized: {exc}", param) from None
+
+
+def check_context(num_prompt: int, max_tokens: int | None, limits: EngineLimits, max_tokens_param: str,
+                  prompt_word: str) -> None:
+    """A completion that cannot fit beside its prompt is refused at once, in OpenAI's words,
+    instead of running until the context is full."""
+    if max_tokens is None or not 0 < num_prompt < limits.max_model_len:
+        return  # no room for any completion: EngineLimits.validate says so about the prompt
+    if num_prompt + max_tokens > limits.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_word}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {prompt_word} or completion.",
+            "invalid_request_error", max_tokens_param, "context_length_exceeded")
+
+
+def check_sampling(request: CommonRequest, limits: EngineLimits) -> None:
+    # Chat asks for top_logprobs (logprobs is a switch); completions for logprobs, a count.
+    field = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+    value = getattr(request, field)
+    if value is not None and value > limits.max_logprobs:
+        raise bad_request(f"{field} must be at most {limits.max_logprobs} (--max-logprobs), got {value}", field)
+    if request.top_k is not None and request.top_k > limits.vocab_size:
+        raise bad_request(f"top_k must be at most the vocabulary size {limits.vocab_size} "
+                          f"(or 0 / -1 for off), got {request.top_k}", "top_k")
+
+
+def check_choices(request: CompletionRequest, num_prompts: int) -> None:
+    """Bounds the engine requests one HTTP request may queue (prompts x n)."""
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request(f"best_of must equal n ({request.n}): choosing the best of more samples is not "
+                          f"supported, got {request.best_of}", "best_of")
+    if num_prompts * request.n > MAX_PROMPTS:
+        raise bad_request(f"{num_prompts} prompts x n={request.n} is {num_prompts * request.n} choices; "
+                          f"one request may ask for at most {MAX_PROMPTS}", "n" if request.n > 1 else "prompt")
+
+
+def external_ref(value: Any) -> str | None:
+    """The first `$ref` (or dynamic ref) in `value` that points outside the document, or None."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if key in REF_KEYWORDS and isinstance(child, str) and not child.startswith("#"):
+                    return child
+                stack.append(child)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
+def check_no_external_refs(request: CommonRequest) -> None:
+    """A schema may only refer to its own parts: the server never reads a file or a URL for a request."""
+    for field in GUIDED_FIELDS:
+        value = getattr(request, field)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                continue  # not JSON: the guided-decoding parser reports it
+        ref = external_ref(value)
+        if ref is not None:
+            raise bad_request(f"`{field}` refers to {ref!r}: a `$ref` must point inside the schema ('#/...'); "
+                              "this server reads no files or URLs for a request", field)
