@@ -10,10 +10,50 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, SmolLM2, Qwen2)."""
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face's `rope_scaling` / `rope_parameters` define it.
 
-    architecture: str  # "llama" or "qwen2"
+    linear: every frequency divided by `factor`. llama3: low frequencies divided by `factor`,
+    high ones kept, a smooth ramp between (wavelengths set by `original_max_position_embeddings`
+    over `low_freq_factor` / `high_freq_factor`). yarn: a ramp between interpolated and
+    extrapolated frequencies over the dimensions set by `beta_fast` / `beta_slow`, and cos/sin
+    scaled by `attention_factor` (derived from `factor`, `mscale`, `mscale_all_dim` when unset).
+    """
+
+    rope_type: str  # "linear" | "llama3" | "yarn"
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+@dataclass
+class MoEConfig:
+    """Sparse MLP of Qwen3-MoE: softmax router, top-k experts, SiLU-gated expert MLPs."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each expert's MLP width
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3, Qwen3-MoE)."""
+
+    architecture: str  # "llama", "qwen2", "qwen3" or "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,9 +65,13 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    attention_bias: bool = False  # q/k/v biases (Qwen2 always; Llama and Qwen3 when the config says)
+    o_proj_bias: bool = False  # Llama's and Qwen3's `attention_bias` covers o_proj too, Qwen2's does not
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    rope_scaling: RopeScaling | None = None
+    moe: MoEConfig | None = None  # Qwen3-MoE's sparse layers; None: every layer is dense
 
 
 @dataclass

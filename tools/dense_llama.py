@@ -12,22 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
+from fastdeploy.model_executor.layers.rotary import rope_cos_sin
 from fastdeploy.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 def _attention(attn: LlamaAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                batch: int, length: int) -> torch.Tensor:
     d = attn.head_dim
-    q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = apply_rope(q.reshape(batch * length, attn.num_heads, d), cos, sin)
-    k = apply_rope(k.reshape(batch * length, attn.num_kv_heads, d), cos, sin)
+    q, k, v = attn.qkv(h, cos, sin)
     q = q.view(batch, length, attn.num_heads, d).transpose(1, 2)
     k = k.view(batch, length, attn.num_kv_heads, d).transpose(1, 2)
     v = v.view(batch, length, attn.num_kv_heads, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5,
                                          enable_gqa=attn.num_kv_heads != attn.num_heads)
-    return attn.o_proj(out.transpose(1, 2).reshape(batch * length, attn.q_size))
+    return attn.out(out.transpose(1, 2).reshape(batch * length, attn.q_size))
 
 
 @torch.no_grad()
@@ -38,7 +36,7 @@ def dense_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor) -> tor
     # The modules get flat [tokens, hidden] rows, the layout the engine gives them.
     x = model.model.embed_tokens(input_ids.reshape(-1))
     positions = torch.arange(length, device=input_ids.device).repeat(batch)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
     residual = None
     for layer in model.model.layers:
         if residual is None:

@@ -1,7 +1,7 @@
 """How a Llama-family model splits across tensor-parallel ranks (Megatron-style).
 
-Column-parallel (output rows split): q/k/v by heads, gate/up by MLP channels.
-Row-parallel (input columns split, outputs summed): o_proj, down_proj.
+Column-parallel (output rows split): q/k/v by heads, gate/up by MLP channels (each expert's too).
+Row-parallel (input columns split, outputs summed): o_proj, down_proj (each expert's too).
 Vocabulary-parallel: embedding rows and LM head rows, the vocabulary padded to a
 multiple of the size. Norms are replicated.
 """
@@ -20,19 +20,24 @@ _VOCAB = ("embed_tokens.", "lm_head.")
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, name) % size:
-            raise ValueError(f"--tensor-parallel-size {size} does not divide {name}={getattr(config, name)}")
+    sizes = {name: getattr(config, name) for name in ("num_attention_heads", "num_key_value_heads",
+                                                      "intermediate_size")}
+    if config.moe is not None:
+        sizes["moe_intermediate_size"] = config.moe.moe_intermediate_size
+    for name, value in sizes.items():
+        if value % size:
+            raise ValueError(f"--tensor-parallel-size {size} does not divide {name}={value}")
 
 
 def local_config(config: ModelConfig, size: int) -> ModelConfig:
-    """The per-rank shapes: heads and MLP channels divided by `size`."""
+    """The per-rank shapes: heads and MLP channels (dense and each expert's) divided by `size`."""
     if size == 1:
         return config
     check_divisible(config, size)
+    moe = config.moe and replace(config.moe, moe_intermediate_size=config.moe.moe_intermediate_size // size)
     return replace(config, num_attention_heads=config.num_attention_heads // size,
                    num_key_value_heads=config.num_key_value_heads // size,
-                   intermediate_size=config.intermediate_size // size)
+                   intermediate_size=config.intermediate_size // size, moe=moe)
 
 
 def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for the CUDA decoder layer (Triton): residual add + RMSNorm, RoPE, SiLU*mul.
+"""Fused elementwise kernels for the CUDA decoder layer (Triton): residual add + RMSNorm, RoPE (with
+Qwen3's per-head q/k RMSNorm before it), SiLU*mul.
 
 In PyTorch each of these is a chain of 2-9 small kernels per layer; at decode batch sizes every
 one of them costs a few microseconds of launch and tail however little it computes, which adds
@@ -79,6 +80,52 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: in
     _rope_kernel[(qkv.shape[0],)](
         qkv, cos, sin, qkv.stride(0), cos.stride(0), num_heads,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(num_heads), num_warps=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    X, Cos, Sin, QW, KW, stride_x, stride_c, num_q_heads, num_heads, eps,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    ok = (heads < num_heads)[:, None] & d_ok[None, :]
+    base = X + tok * stride_x + heads[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(base, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # RMSNorm of each head over head_dim, rounded like `RMSNorm.forward`: normalised value to the
+    # activation dtype, then times the (query or key) weight, rounded again.
+    inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    is_q = (heads < num_q_heads)[:, None]
+    w1 = tl.where(is_q, tl.load(QW + d, mask=d_ok, other=0.0)[None, :], tl.load(KW + d, mask=d_ok, other=0.0)[None, :])
+    w2 = tl.where(is_q, tl.load(QW + HALF + d, mask=d_ok, other=0.0)[None, :],
+                  tl.load(KW + HALF + d, mask=d_ok, other=0.0)[None, :])
+    y1 = (w1.to(tl.float32) * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2.to(tl.float32) * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    c = tl.load(Cos + tok * stride_c + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + tok * stride_c + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(base, (y1 * c - y2 * s).to(dtype), mask=ok)
+    tl.store(base + HALF, (y2 * c + y1 * s).to(dtype), mask=ok)
+
+
+def qk_norm_rope_(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+) -> None:  # fmt: skip
+    """Qwen3's per-head RMSNorm then RoPE, in place on the q and k heads at the start of each row of `qkv`.
+
+    q heads use `q_weight` [head_dim], k heads `k_weight`; cos/sin [T, head_dim] as from `rotary.rope_cos_sin`.
+    """
+    half = head_dim // 2
+    heads = num_q_heads + num_kv_heads
+    _qk_norm_rope_kernel[(qkv.shape[0],)](
+        qkv, cos, sin, q_weight, k_weight, qkv.stride(0), cos.stride(0), num_q_heads, heads, eps,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(heads), num_warps=4,
     )  # fmt: skip
 
 

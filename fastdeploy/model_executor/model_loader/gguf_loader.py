@@ -51,6 +51,15 @@ def gguf_model_config(path_or_reader: str | gguf.GGUFReader) -> ModelConfig:
     def key(suffix: str, default=None):
         return _field(reader, f"{arch}.{suffix}", default)
 
+    # RoPE scaling in a GGUF (metadata, or Llama 3.x's per-frequency divisors as a tensor) is not read.
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF sets {arch}.rope.scaling.type={scaling!r}, which is not implemented for GGUF files; "
+                         "load the Hugging Face safetensors directory instead")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("GGUF holds rope_freqs.weight (Llama 3.x RoPE scaling), which is not implemented for GGUF "
+                         "files; load the Hugging Face safetensors directory instead")
+
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     vocab = key("vocab_size")
@@ -110,7 +119,7 @@ def load_gguf_weights(
     config = config or gguf_model_config(reader)
     for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor"):
         name = _hf_name(tensor.name)
-        if name is None:  # e.g. rope_freqs.weight: nothing in ModelConfig uses it
+        if name is None:  # not a weight of the model (gguf_model_config refused rope_freqs.weight)
             continue
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # dequantize() returns [rows, cols] = HF's [out, in]; F32 is a read-only memmap view.

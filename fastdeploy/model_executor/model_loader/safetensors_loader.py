@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -13,46 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from fastdeploy.config import ModelConfig
-
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}  # HF model_type -> ModelConfig.architecture
-
-
-def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-
-
-def model_config_from_hf_dict(cfg: dict) -> ModelConfig:
-    """ModelConfig from a HF config.json dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
-    model_type = cfg.get("model_type")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_ARCHITECTURES)}")
-    # transformers >= 5 writes rope settings under `rope_parameters`; older files use top-level keys.
-    rope = cfg.get("rope_parameters") or {}
-    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type") or (cfg.get("rope_scaling") or {}).get("rope_type") or "default"
-    if rope_type != "default":
-        warnings.warn(f"rope_type {rope_type!r} is not implemented; using plain RoPE", stacklevel=2)
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    return ModelConfig(
-        architecture=_ARCHITECTURES[model_type],
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama only when config says so.
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
-    )
+from fastdeploy.model_executor.model_loader.hf_config import as_id_list, model_config_from_hf_dict
 
 
 def hf_model_config(path: str) -> ModelConfig:
@@ -66,7 +26,7 @@ def hf_model_config(path: str) -> ModelConfig:
     gen_file = os.path.join(os.path.dirname(config_file), "generation_config.json")
     if os.path.isfile(gen_file):
         with open(gen_file) as f:
-            for eos in _as_id_list(json.load(f).get("eos_token_id")):
+            for eos in as_id_list(json.load(f).get("eos_token_id")):
                 if eos not in config.eos_token_ids:
                     config.eos_token_ids.append(eos)
     return config

@@ -1,8 +1,13 @@
-"""Llama-family decoder (Llama, SmolLM2, Qwen2) over a flat token batch and a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3, Qwen3-MoE) over a flat token batch and a paged KV cache.
+
+The architectures differ only in switches of ModelConfig: q/k/v (and o_proj) biases, Qwen3's
+RMSNorm of each query/key head before RoPE, RoPE scaling, and Qwen3-MoE's sparse MLP layers
+(`layers/moe.py`) in place of the dense one.
 
 Parameter names follow HF (`model.layers.N.self_attn...`) except that q/k/v and gate/up are
-fused into `qkv_proj` / `gate_up_proj` (one GEMM instead of three / two); `load_weights`
-takes HF-named tensors and slices them into the fused parameters.
+fused into `qkv_proj` / `gate_up_proj` (one GEMM instead of three / two), and a sparse layer's
+experts are stacked into `mlp.experts.w13_weight` / `w2_weight`; `load_weights` takes
+HF-named tensors and slices them into the fused parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
+from fastdeploy.model_executor.layers.moe import SparseMoeBlock, expert_weight_slot
 from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -46,8 +52,41 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: one RMSNorm over head_dim, shared by all query heads (and one by all key heads).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of rows `x` [T, hidden], q/k normed and rotated.
+
+        `fused` (default: on CUDA) norms and rotates in place with a Triton kernel; False keeps the
+        PyTorch ops, which autograd can follow (MTP head training).
+        """
+        qkv = self.qkv_proj(x)
+        fused = qkv.is_cuda if fused is None else fused
+        if fused:
+            if self.q_norm is not None:
+                _fused().qk_norm_rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                       self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                _fused().rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if not fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj of this rank's heads, summed over ranks; the bias (row-parallel) is added once, after the sum."""
+        out = all_reduce(F.linear(attn_out, self.o_proj.weight))
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
 
     def forward(
         self,
@@ -57,16 +96,8 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        if qkv.is_cuda:
-            _fused().rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if not qkv.is_cuda:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta)))
+        q, k, v = self.qkv(x, cos, sin)
+        return self.out(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -85,12 +116,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
+        self.mlp = SparseMoeBlock(config) if sparse else LlamaMLP(config)
 
     def forward(
         self,
@@ -128,7 +160,7 @@ class LlamaModel(nn.Module):
         # Vocabulary-parallel: this rank's rows of the (padded) vocabulary.
         self.vocab_start, vocab_end = vocab_shard(config.vocab_size, tp_rank(), tp_size())
         self.embed_tokens = nn.Embedding(vocab_end - self.vocab_start, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -140,7 +172,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self._embed(input_ids)
         # RoPE angles once per step, shared by every layer.
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
@@ -207,12 +240,24 @@ class LlamaForCausalLM(nn.Module):
         A fused parameter counts as loaded once all of its shards have arrived.
         """
         params = dict(self.named_parameters())
-        shards_seen: dict[str, set[int]] = {}
+        shards_seen: dict[str, set] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             tensor = shard_weight(name, tensor, tp_rank(), tp_size())
+            slot = expert_weight_slot(name)
+            if slot is not None:  # one expert's gate, up or down matrix, into the stacked experts
+                try:
+                    experts = self.get_submodule(slot.module)
+                except AttributeError:
+                    raise KeyError(f"unexpected weight {name!r}") from None
+                target = f"{slot.module}.{experts.load_expert(slot.expert, slot.proj, tensor)}"
+                seen = shards_seen.setdefault(target, set())
+                seen.add((slot.expert, slot.proj))
+                if len(seen) == experts.shards_of(target):
+                    loaded.add(target)
+                continue
             for frag, (fused, idx) in _STACKED.items():
                 if frag in name:
                     target = name.replace(frag, fused)

@@ -24,7 +24,7 @@ from torch import nn
 from fastdeploy.config import ModelConfig
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
-from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
+from fastdeploy.model_executor.layers.rotary import rope_cos_sin
 from fastdeploy.model_executor.models.llama import LlamaDecoderLayer
 
 CONFIG_FILE = "config.json"
@@ -53,7 +53,8 @@ class MTPHead(nn.Module):
         final_norm: RMSNorm,  # the target's
     ) -> torch.Tensor:  # [T, H], after the target's final norm; feed it to the target's head
         x = self._combine(token_embeds, prev_hidden)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
         x, residual = self.layer(x, None, cos, sin, kv_cache, meta)
         return final_norm(x, residual)[0]
 
@@ -67,21 +68,18 @@ class MTPHead(nn.Module):
         c = self.config
         batch, length, _ = token_embeds.shape
         x = self._combine(token_embeds, prev_hidden)
-        positions = torch.arange(length, device=x.device)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        positions = torch.arange(length, device=x.device).repeat(batch)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
         layer = self.layer
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = apply_rope(q.reshape(batch * length, attn.num_heads, c.head_dim), cos.repeat(batch, 1), sin.repeat(batch, 1))
-        k = apply_rope(k.reshape(batch * length, attn.num_kv_heads, c.head_dim), cos.repeat(batch, 1),
-                       sin.repeat(batch, 1))
+        q, k, v = attn.qkv(h.flatten(0, 1), cos, sin, fused=False)
         q = q.view(batch, length, attn.num_heads, c.head_dim).transpose(1, 2)
         k = k.view(batch, length, attn.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.view(batch, length, attn.num_kv_heads, c.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5,
                                              enable_gqa=attn.num_kv_heads != attn.num_heads)
-        out = attn.o_proj(out.transpose(1, 2).reshape(batch, length, attn.q_size))
+        out = attn.out(out.transpose(1, 2).reshape(batch, length, attn.q_size))
         out, residual = layer.post_attention_layernorm(out, x)
         # Flat [tokens, hidden] rows: the layout the MLP's fused CUDA kernel takes.
         out = layer.mlp(out.flatten(0, 1)).view(batch, length, -1)
@@ -89,8 +87,9 @@ class MTPHead(nn.Module):
 
 
 def mtp_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
-    """The draft block's shape: the target's, optionally with a narrower MLP."""
-    return replace(target, num_hidden_layers=1, intermediate_size=intermediate_size or target.intermediate_size)
+    """The draft block's shape: the target's, optionally with a narrower MLP; always a dense MLP."""
+    return replace(target, num_hidden_layers=1, intermediate_size=intermediate_size or target.intermediate_size,
+                   moe=None)
 
 
 def save_mtp_head(head: MTPHead, directory: str, dtype: torch.dtype = torch.bfloat16, **extra: object) -> None:
