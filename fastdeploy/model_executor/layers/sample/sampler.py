@@ -308,12 +308,21 @@ def _fill_sampling_mask(
 
     if t_rows.numel():
         sel = requested[t_rows]
-        if bool(sel.any()):
-            rows = t_rows[sel]
-            keep = win.keep[sel]
-            # Only kept entries are written: a window is padded with id 0 past its kept prefix.
-            kept_flags[rows.unsqueeze(1).expand_as(keep)[keep], win.idx[sel][keep]] = True
-            sub = KeptWindow(win.idx[sel], win.x[sel], keep, win.lse[sel])
+        if bool(sel.all()):
+            rows, sub = t_rows, win
+        elif bool(sel.any()):
+            rows, sub = t_rows[sel], KeptWindow(win.idx[sel], win.x[sel], win.keep[sel], win.lse[sel])
+        else:
+            rows, sub = None, None
+        if rows is not None:
+            # A window's kept entries are a prefix that starts at its top id, which is always kept;
+            # pointing the entries past the prefix at that id makes one scatter of True set exactly
+            # the kept ids (about a third of the time of a boolean-indexed write of every kept id).
+            ids = torch.where(sub.keep, sub.idx, sub.idx[:, :1])
+            if rows.numel() == b:
+                kept_flags.scatter_(1, ids, True)
+            else:
+                kept_flags[rows] = torch.zeros(rows.numel(), v, dtype=torch.bool, device=device).scatter_(1, ids, True)
             logz[rows] = kept_logz(sub).float()
     if g_rows.numel():
         rows = g_rows[requested[g_rows]]
@@ -325,14 +334,18 @@ def _fill_sampling_mask(
             lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
             logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
 
+    out.logz = logz
     if as_bits is not None:
         out.mask_bits = pack_bits(kept_flags & as_bits.unsqueeze(1))
+        if bool((as_bits | ~requested).all()):  # no row lists ids: the CSR is empty
+            out.mask_offsets = torch.zeros(b + 1, dtype=torch.int32, device=device)
+            out.mask_ids = torch.empty(0, dtype=torch.int32, device=device)
+            return
         kept_flags[as_bits] = False
     offsets = torch.zeros(b + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(kept_flags.sum(dim=1), dim=0)
     out.mask_ids = torch.arange(v, dtype=torch.int32, device=device).expand(b, v).masked_select(kept_flags)
     out.mask_offsets = offsets.to(torch.int32)
-    out.logz = logz
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
