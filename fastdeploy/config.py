@@ -96,6 +96,7 @@ class SchedulerConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # tokenizer directory or GGUF file; None: the model's own
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"

@@ -44,3 +44,19 @@ def random_hf_model(kind: str, vocab_size: int, seed: int = 0, **overrides) -> t
 def save_random_hf_model(path: Path, kind: str, vocab_size: int, seed: int = 0, **overrides) -> str:
     random_hf_model(kind, vocab_size, seed, **overrides).save_pretrained(path)
     return str(path)
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> str:
+    """A word-level tokenizer over made-up words ("w3" is id 3), saved as tokenizer.json in `path`.
+
+    For engines that need a tokenizer beside weights whose vocabulary no real one fits.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return str(path)

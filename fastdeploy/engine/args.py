@@ -14,6 +14,7 @@ from fastdeploy.spec_decode.config import SpeculativeConfig, parse_speculative_c
 @dataclass
 class EngineArgs:
     model: str | None = None
+    tokenizer: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
@@ -40,6 +41,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
+            tokenizer=self.tokenizer,
             load_format=self.load_format,
             dtype=self.dtype,
             device=self.device,
@@ -73,6 +75,10 @@ class EngineArgs:
         d = EngineArgs()
         parser.add_argument("model", nargs="?", default=None,
                             help="GGUF file or Hugging Face directory; default: the embedded SmolLM2-135M-Instruct")
+        parser.add_argument("--tokenizer", default=d.tokenizer,
+                            help="tokenizer directory (tokenizer.json / tokenizer_config.json) or GGUF file, for "
+                                 "weights that come without one; default: the model's own (a bundled config such "
+                                 "as llama3_8b borrows the embedded SmolLM2 tokenizer)")
         parser.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default=d.load_format,
                             help="how to read weights; 'dummy' gives random weights of the model's config")
         parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype,

@@ -32,12 +32,15 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM()` loads the embedded SmolLM2-135M-Instruct; `LLM(path)` a GGUF file or HF directory."""
+    """`LLM()` loads the embedded SmolLM2-135M-Instruct; `LLM(path)` a GGUF file or HF directory.
+
+    `tokenizer=` names a tokenizer directory or GGUF file for weights that come without one.
+    """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
-        self.tokenizer = get_tokenizer(model)
+        self.tokenizer = get_tokenizer(model, self.config.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)
         self.engine = EngineCore(self.config, InProcessExecutor(self.config))
         self._request_ids = itertools.count()

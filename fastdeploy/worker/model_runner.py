@@ -29,7 +29,7 @@ from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadat
 from fastdeploy.model_executor.layers.sample import kept_set_gpu
 from fastdeploy.model_executor.layers.sample.metadata import RowGroups, SamplerOutput, SamplingMetadata
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
-from fastdeploy.model_executor.model_loader import get_model
+from fastdeploy.model_executor.model_loader import get_model, tokenizer_path
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.ops.step_packer import (
     pack_step_slots_copying_ids,
@@ -151,7 +151,7 @@ class ModelRunner:
         self.sequences: dict[int, WorkerSequence] = {}
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend == "xgrammar":
-            self.guided = GuidedRuntime(config.model, self.model_config.vocab_size,
+            self.guided = GuidedRuntime(tokenizer_path(config.model, config.tokenizer), self.model_config.vocab_size,
                                         list(self.model_config.eos_token_ids), config.grammar_compile_timeout_s,
                                         config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser)
         if rank == 0:  # the rank that samples

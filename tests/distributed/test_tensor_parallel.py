@@ -1,4 +1,4 @@
-"""Tensor parallelism: 2 ranks (gloo on CPU here, NCCL on GPUs) give the tokens of 1 rank."""
+"""Tensor parallelism: 2 ranks (gloo on CPU here, NCCL on GPUs) give the tokens of 1 rank (Qwen2, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,22 @@ from fastdeploy.engine.executor import InProcessExecutor, WorkerProcessExecutor
 from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.ipc import make_ipc_dir
+from tests.random_hf_models import save_random_hf_model
 from tests.random_qwen2 import save_random_qwen2
 
 VOCAB = 253
 
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+def model_dir(request, tmp_path_factory) -> str:
     # An odd vocabulary: padding on the last rank.
-    return save_random_qwen2(tmp_path_factory.mktemp("qwen2"), vocab_size=VOCAB)
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen2":
+        return save_random_qwen2(path, vocab_size=VOCAB)
+    # Experts split along their intermediate dim; o_proj's bias added once, after the all-reduce.
+    return save_random_hf_model(path, "qwen3_moe", VOCAB, num_hidden_layers=3, mlp_only_layers=[1],
+                                attention_bias=True)
 
 
 def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False) -> list:
@@ -75,6 +81,12 @@ def test_shards_cover_the_full_tensors():
     assert torch.equal(torch.cat([shard_weight("model.layers.0.self_attn.q_proj.weight", w, r, 2) for r in (0, 1)]), w)
     assert torch.equal(torch.cat([shard_weight("model.layers.0.mlp.down_proj.weight", w, r, 2) for r in (0, 1)], 1), w)
     assert torch.equal(shard_weight("model.norm.weight", w, 1, 2), w)
+    expert = "model.layers.0.mlp.experts.3."
+    assert torch.equal(torch.cat([shard_weight(expert + "up_proj.weight", w, r, 2) for r in (0, 1)]), w)
+    assert torch.equal(torch.cat([shard_weight(expert + "down_proj.weight", w, r, 2) for r in (0, 1)], 1), w)
+    assert torch.equal(shard_weight("model.layers.0.mlp.gate.weight", w, 1, 2), w)  # the router is replicated
+    assert torch.equal(shard_weight("model.layers.0.self_attn.o_proj.bias", w[0], 1, 2), w[0])  # added after the sum
+    assert torch.equal(shard_weight("model.layers.0.self_attn.q_norm.weight", w[0], 1, 2), w[0])
     rows = [shard_weight("model.embed_tokens.weight", w[:7], r, 2) for r in (0, 1)]
     assert [r.shape[0] for r in rows] == [4, 4] and torch.equal(torch.cat(rows)[:7], w[:7])
     assert not rows[1][3].any()  # padding row

@@ -67,7 +67,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tokenizer = get_tokenizer(args.model)
+        tokenizer = get_tokenizer(args.model, args.tokenizer)
         await client.start()
         state["chat"] = OpenAIServingChat(client, tokenizer, names, metrics)
         state["completion"] = OpenAIServingCompletion(client, tokenizer, names, metrics)

@@ -15,7 +15,7 @@ from fastdeploy.model_executor.model_loader.gguf_loader import gguf_model_config
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config, load_safetensors_weights
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 
-__all__ = ["embedded_model_path", "get_model", "get_tokenizer", "resolve_model_path"]
+__all__ = ["embedded_model_path", "get_model", "get_tokenizer", "resolve_model_path", "tokenizer_path"]
 
 _BUNDLED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "configs")
 
@@ -81,23 +81,47 @@ def get_model(
     return net, config
 
 
-def get_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
-    """The model's fast tokenizer, from local files only (never the network).
+def _has_tokenizer_files(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def tokenizer_path(model: str | None, tokenizer: str | None = None) -> str:
+    """Where the tokenizer comes from: `tokenizer` when given (a tokenizer directory, a GGUF file, or a
+    bundled config name), else the model's own files; a bundled dummy config
+    (`fastdeploy/model_executor/models/configs/*.json`) has none and borrows the embedded model's."""
+    if tokenizer is not None:
+        path = resolve_model_path(tokenizer)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no such file or directory")
+        return path
+    path = resolve_model_path(model)
+    if os.path.dirname(os.path.abspath(path)) == os.path.abspath(_BUNDLED_CONFIGS) and not _has_tokenizer_files(
+            _BUNDLED_CONFIGS):
+        return embedded_model_path()
+    return path
+
+
+def get_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerFast:
+    """The fast tokenizer of `model`, or the one at `tokenizer`, from local files only (never the network).
 
     GGUF files carry their tokenizer (and chat template) in metadata; directories
     (or a config.json's directory) need the usual tokenizer files.
     """
-    path = resolve_model_path(model)
+    path = tokenizer_path(model, tokenizer)
     if path.endswith(".gguf"):
-        tokenizer = AutoTokenizer.from_pretrained(
+        loaded = AutoTokenizer.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
-        if tokenizer.chat_template is None:
+        if loaded.chat_template is None:
             field = gguf.GGUFReader(path).fields.get("tokenizer.chat_template")
             if field is not None:
-                tokenizer.chat_template = field.contents()
-        return tokenizer
+                loaded.chat_template = field.contents()
+        return loaded
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not any(os.path.isfile(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise FileNotFoundError(f"no tokenizer files next to {path!r}")
+    if not _has_tokenizer_files(directory):
+        if tokenizer is not None:
+            raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no tokenizer.json or tokenizer_config.json in "
+                                    f"{directory!r}")
+        raise FileNotFoundError(f"no tokenizer files next to {path!r}: pass --tokenizer (offline: "
+                                "LLM(tokenizer=...)) with a tokenizer directory or a GGUF file")
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
