@@ -72,6 +72,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     rope_scaling: RopeScaling | None = None
     moe: MoEConfig | None = None  # Qwen3-MoE's sparse layers; None: every layer is dense
+    # FP8 block-wise checkpoint: (rows, cols) of a weight scale block; the loader dequantizes.
+    fp8_weight_block: tuple[int, int] | None = None
 
 
 @dataclass

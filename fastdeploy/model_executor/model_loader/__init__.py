@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from fastdeploy.config import ModelConfig
 from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config, init_dummy_weights
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path
+from fastdeploy.model_executor.model_loader.fp8 import dequantize_fp8_weights
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_model_config, load_gguf_weights
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config, load_safetensors_weights
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
@@ -73,6 +74,8 @@ def get_model(
         init_dummy_weights(net, seed)
     else:
         weights = load_gguf_weights(path, config, reader) if fmt == "gguf" else load_safetensors_weights(path)
+        if config.fp8_weight_block is not None:
+            weights = dequantize_fp8_weights(weights, config.fp8_weight_block)
         loaded = net.load_weights(weights)
         missing = sorted(set(dict(net.named_parameters())) - loaded)
         if missing:

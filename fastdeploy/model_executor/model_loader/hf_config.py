@@ -18,7 +18,7 @@ _READ = {
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
     "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "hidden_act",
-    "attention_bias",
+    "attention_bias", "quantization_config",
 }  # fmt: skip
 # No effect on inference: training-only settings, bookkeeping, cache switches.
 _INERT = {
@@ -122,6 +122,33 @@ def _rope(cfg: dict, model_type: str) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
+_FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+             "ignored_layers"}
+
+
+def _fp8_block(cfg: dict, model_type: str) -> tuple[int, int] | None:
+    """The scale block of an FP8 block-wise checkpoint; None without `quantization_config`."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8":
+        _refuse(model_type, "quantization_config.quant_method", quant.get("quant_method"),
+                "is not fp8 (the only quantized checkpoints fastdeploy reads)")
+    for key, value in quant.items():
+        if key not in _FP8_KEYS and value not in (None, [], {}):
+            _refuse(model_type, f"quantization_config.{key}", value, "is not a setting fastdeploy knows for fp8")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        _refuse(model_type, "quantization_config.fmt", quant["fmt"], "is not e4m3")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        _refuse(model_type, "quantization_config.activation_scheme", quant["activation_scheme"],
+                "needs calibrated activation scales (not implemented)")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2):
+        _refuse(model_type, "quantization_config.weight_block_size", block,
+                "is not a block size [rows, cols] (per-tensor FP8 is not implemented)")
+    return int(block[0]), int(block[1])
+
+
 def _moe(cfg: dict) -> MoEConfig:
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers >= 5 writes the latter
     return MoEConfig(
@@ -167,4 +194,5 @@ def model_config_from_hf_dict(cfg: dict) -> ModelConfig:
         eos_token_ids=as_id_list(cfg.get("eos_token_id")),
         rope_scaling=rope_scaling,
         moe=_moe(cfg) if model_type == "qwen3_moe" else None,
+        fp8_weight_block=_fp8_block(cfg, model_type),
     )
