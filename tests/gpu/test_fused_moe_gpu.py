@@ -1,5 +1,6 @@
 """Fused MoE and Qwen3's q/k norm + RoPE kernel on CUDA vs the CPU reference; Qwen3 / Qwen3-MoE end to end.
 
+- `fused_topk` against `route` (the same experts, the same weights);
 - `fused_moe` against `moe_reference` in float64 on the CPU, with the same routing, from one
   token to a prefill-sized batch (each of the three tile configurations), bf16 and float32;
 - the alignment's invariants (every pair once, each block inside its expert's run);
@@ -60,6 +61,20 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, shape: tuple) -> None:
     assert _rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (300, 128, 8), (33, 60, 4), (7, 8, 2)])
+def test_fused_topk_matches_route(renormalize: bool, tokens: int, experts: int, top_k: int) -> None:
+    from fastdeploy.model_executor.layers.fused_moe import fused_topk
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens))
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    weights, ids = fused_topk(logits.cuda(), top_k, renormalize)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_weights, atol=1e-6, rtol=1e-5)
+    bf16_weights, bf16_ids = fused_topk(logits.cuda().bfloat16(), top_k, renormalize)
+    assert bf16_weights.dtype == torch.bfloat16 and bf16_ids.shape == (tokens, top_k)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_alignment_invariants(block_m: int) -> None:
     from fastdeploy.model_executor.layers.fused_moe import align
@@ -80,17 +95,19 @@ def test_alignment_invariants(block_m: int) -> None:
 
 
 def test_fused_moe_cuda_graph_and_no_sync() -> None:
-    from fastdeploy.model_executor.layers.fused_moe import fused_moe
+    from fastdeploy.model_executor.layers.fused_moe import fused_moe, fused_topk
 
     x, w13, w2, weights, ids = (t.cuda() for t in _problem(8, 128, 8, 256, 128))
     x, w13, w2, weights = (t.to(torch.bfloat16) for t in (x, w13, w2, weights))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the sync debug mode warns at any synchronising call
-        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # warns at any synchronising call
         try:
             fused_moe(x, w13, w2, weights, ids)
+            fused_topk(x[:, :128], 8, True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    assert not [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -131,3 +131,20 @@ def test_config_fields() -> None:
     assert llama.rope_scaling.attention_factor == 0.9 and llama.rope_scaling.original_max_position_embeddings == 64
     biased = model_config_from_hf_dict(_config("llama", attention_bias=True))
     assert biased.attention_bias and biased.o_proj_bias and not biased.qk_norm
+
+
+def test_bundled_configs_load() -> None:
+    """Every bundled dummy config passes the key check, with the fields of its real model."""
+    from fastdeploy.model_executor.model_loader import resolve_model_path
+    from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config
+
+    moe = dummy_model_config(resolve_model_path("qwen3_30b_a3b"))
+    assert (moe.architecture, moe.num_hidden_layers, moe.hidden_size, moe.head_dim, moe.qk_norm) == (
+        "qwen3_moe", 48, 2048, 128, True)  # fmt: skip
+    assert (moe.moe.num_experts, moe.moe.num_experts_per_tok, moe.moe.moe_intermediate_size) == (128, 8, 768)
+    assert all(moe.moe.is_sparse(i) for i in range(48)) and moe.moe.norm_topk_prob
+    llama31 = dummy_model_config(resolve_model_path("llama3_1_8b"))
+    assert llama31.rope_scaling.rope_type == "llama3" and llama31.rope_scaling.original_max_position_embeddings == 8192
+    assert llama31.eos_token_ids == [128001, 128008, 128009]
+    dense = dummy_model_config(resolve_model_path("qwen3_8b"))
+    assert dense.qk_norm and dense.moe is None and dense.rope_scaling is None

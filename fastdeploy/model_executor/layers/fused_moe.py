@@ -1,8 +1,8 @@
 """Fused MoE on CUDA (Triton): (token, expert) pairs sorted by expert, then two grouped GEMMs.
 
-`moe.moe_reference` is the specification: for each token, the router-weighted sum over its
-top-k experts of down(silu(gate(x)) * up(x)). Here, for T tokens and k experts each (n = T*k
-pairs, pair p = token p // k, slot p % k):
+`moe.route` and `moe.moe_reference` are the specification: for each token, the router-weighted
+sum over its top-k experts of down(silu(gate(x)) * up(x)). `fused_topk` is the routing in one
+kernel. Then, for T tokens and k experts each (n = T*k pairs, pair p = token p // k, slot p % k):
 
 1. align: the pairs are grouped by expert into `sorted_pairs`, each expert's run padded to a
    multiple of BLOCK_M (padding entries hold n, "no pair"), with the expert of every BLOCK_M
@@ -60,6 +60,46 @@ def padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of the padded length: at most min(n, E) experts are non-empty, each adds < BLOCK_M."""
     bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
     return triton.cdiv(bound, block_m) * block_m
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    Logits, Weights, Ids, stride_l, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """One row: softmax over the experts in float32, the TOP_K largest (ties: lowest id), optionally renormalised."""
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    x = tl.load(Logits + row * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(ok, p / tl.sum(p, 0), -1.0)
+    total = 1.0
+    if RENORMALIZE:  # a first pass for the sum of the chosen probabilities
+        total = 0.0
+        rest = p
+        for _ in tl.static_range(TOP_K):
+            best = tl.max(rest, 0)
+            total += best
+            rest = tl.where(e == tl.min(tl.where(rest == best, e, BLOCK_E), 0), -1.0, rest)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        tl.store(Weights + row * TOP_K + j, (best / total).to(Weights.dtype.element_ty))
+        tl.store(Ids + row * TOP_K + j, idx.to(tl.int64))
+        p = tl.where(e == idx, -1.0, p)
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` in one kernel: weights [T, k] in the logits' dtype, expert ids int64 [T, k], largest first."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    _topk_softmax_kernel[(tokens,)](
+        router_logits, weights, ids, router_logits.stride(0), num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1,
+    )  # fmt: skip
+    return weights, ids
 
 
 @triton.jit

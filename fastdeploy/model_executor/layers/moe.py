@@ -126,5 +126,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = MoEExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size // tp_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if logits.is_cuda:
+            from fastdeploy.model_executor.layers import fused_moe
+
+            topk_weights, topk_ids = fused_moe.fused_topk(logits, self.top_k, self.renormalize)
+        else:
+            topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)
         return all_reduce(self.experts(x, topk_weights, topk_ids))
