@@ -31,19 +31,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import xgrammar as xgr
 
 from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.errors import ParameterError
 from fastdeploy.model_executor.guided_decoding import (
+    GrammarCompileService,
+    GuidedSpec,
     GuidedState,
     apply_token_bitmask_inplace,
-    compile_spec,
     fill_bitmasks,
-    tokenizer_info_from_hf,
+    validate_guided_spec,
 )
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec, validate_guided_spec
 
 JSB = Path(__file__).resolve().parents[2] / "shared" / "eval" / "jsonschemabench"
 PERSON = {"type": "object",
@@ -85,8 +84,8 @@ def mask_time(llm: LLM, batch_sizes: list[int]) -> list[dict]:
     """Fill (CPU) and apply (device) cost of one step's bitmask, at the model's vocabulary."""
     vocab = llm.engine.executor.info.vocab_size
     device = torch.device(llm.config.device)
-    compiler = xgr.GrammarCompiler(tokenizer_info_from_hf(llm.tokenizer, vocab))
-    compiled = compile_spec(compiler, GuidedSpec("json_schema", json.dumps(PERSON)))
+    service = GrammarCompileService.from_tokenizer(llm.tokenizer, vocab)
+    compiled = service.compile(GuidedSpec("json_schema", json.dumps(PERSON)))
     instance = llm.tokenizer.encode(PERSON_INSTANCE, add_special_tokens=False)
     rows = []
     for bs in batch_sizes:

@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from fastdeploy.model_executor.guided_decoding import tokenizer_info_from_hf  # noqa: E402
+from fastdeploy.model_executor.guided_decoding.xgrammar_backend import tokenizer_info_from_hf  # noqa: E402
 from fastdeploy.model_executor.model_loader import get_tokenizer  # noqa: E402
 from tests.guided_decoding.jsb import load_cases, rates, run_cases  # noqa: E402
 

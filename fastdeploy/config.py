@@ -109,7 +109,9 @@ class EngineConfig:
     enable_keep_sampling_mask: bool = False
     sampling_mask_format: str = "ids"  # ids | bitmap: the default of requests that do not say
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
-    guided_decoding_backend: str = "xgrammar"  # xgrammar | off
+    guided_decoding_backend: str = "auto"  # auto | xgrammar | llguidance | off
+    # Default of requests that do not set `disable_any_whitespace`: JSON without whitespace outside strings.
+    guided_decoding_disable_any_whitespace: bool = False
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_mb: int = 512
     reasoning_parser: str | None = None  # a fastdeploy.reasoning name, e.g. "think"

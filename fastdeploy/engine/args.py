@@ -32,7 +32,8 @@ class EngineArgs:
     enable_keep_sampling_mask: bool = False
     sampling_mask_format: str = "ids"
     logprobs_mode: str = "raw_logprobs"
-    guided_decoding_backend: str = "xgrammar"
+    guided_decoding_backend: str = "auto"
+    guided_decoding_disable_any_whitespace: bool = False
     grammar_compile_timeout: float = 30.0
     grammar_cache_mb: int = 512
     reasoning_parser: str | None = None
@@ -53,6 +54,7 @@ class EngineArgs:
             sampling_mask_format=self.sampling_mask_format,
             logprobs_mode=self.logprobs_mode,
             guided_decoding_backend=self.guided_decoding_backend,
+            guided_decoding_disable_any_whitespace=self.guided_decoding_disable_any_whitespace,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
             grammar_cache_mb=self.grammar_cache_mb,
             reasoning_parser=self.reasoning_parser,
@@ -119,10 +121,15 @@ class EngineArgs:
                             default=d.logprobs_mode,
                             help="raw: the model's log-softmax; processed: after penalties, temperature and "
                                  "truncation, renormalised over the kept set")
-        parser.add_argument("--guided-decoding-backend", choices=["xgrammar", "off"],
+        parser.add_argument("--guided-decoding-backend", choices=["auto", "xgrammar", "llguidance", "off"],
                             default=d.guided_decoding_backend,
                             help="structured output (response_format, guided_json/regex/choice/grammar, "
-                                 "structural_tag) through xgrammar, or off")
+                                 "structural_tag): auto takes xgrammar where it enforces every keyword of the "
+                                 "schema, else llguidance where it does, else refuses the request (400 naming the "
+                                 "keyword); xgrammar or llguidance alone; or off")
+        parser.add_argument("--guided-decoding-disable-any-whitespace", action="store_true",
+                            help="default of requests that do not set `disable_any_whitespace`: JSON output "
+                                 "(json_schema, json_object) without whitespace outside strings")
         parser.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
                             help="seconds a grammar may compile before its request fails")
         parser.add_argument("--grammar-cache-mb", type=int, default=d.grammar_cache_mb,

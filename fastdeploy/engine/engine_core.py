@@ -52,7 +52,8 @@ class EngineCore:
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
-                                   guided_decoding=config.guided_decoding_backend != "off")
+                                   guided_backend=config.guided_decoding_backend,
+                                   disable_any_whitespace=config.guided_decoding_disable_any_whitespace)
         self.sequences: dict[int, Sequence] = {}
         self.by_request_id: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()

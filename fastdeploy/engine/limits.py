@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from fastdeploy.engine.errors import ParameterError
-from fastdeploy.model_executor.guided_decoding.spec import spec_param, validate_guided_spec
+from fastdeploy.model_executor.guided_decoding.select import resolve_guided_spec
 
 if TYPE_CHECKING:
     from fastdeploy.engine.request import EngineRequest
@@ -19,10 +19,21 @@ class EngineLimits(msgspec.Struct, array_like=True):
     max_logprobs: int
     enable_keep_sampling_mask: bool
     kv_capacity_tokens: int  # whole KV pool, in tokens
-    guided_decoding: bool = True
+    guided_backend: str = "auto"  # --guided-decoding-backend: auto | xgrammar | llguidance | off
+    disable_any_whitespace: bool = False  # --guided-decoding-disable-any-whitespace
 
     def validate(self, request: "EngineRequest", prompt_param: str = "prompt") -> None:
-        """Raise ParameterError naming the parameter that makes `request` impossible."""
+        """Raise ParameterError naming the parameter that makes `request` impossible.
+
+        A structured-output request also gets its grammar backend chosen and the server's
+        whitespace default filled in (request.params.guided is replaced; idempotent).
+        """
+        self._validate(request, prompt_param)
+        if request.params.guided is not None:
+            request.params.guided = resolve_guided_spec(request.params.guided, self.guided_backend,
+                                                        self.disable_any_whitespace)
+
+    def _validate(self, request: "EngineRequest", prompt_param: str) -> None:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ParameterError("the prompt is empty", prompt_param)
@@ -40,11 +51,6 @@ class EngineLimits(msgspec.Struct, array_like=True):
                 "return_sampling_mask needs the server to run with --enable-keep-sampling-mask",
                 "return_sampling_mask",
             )
-        if request.params.guided is not None:
-            if not self.guided_decoding:
-                raise ParameterError("structured output is disabled on this server (--guided-decoding-backend off)",
-                                     spec_param(request.params.guided))
-            validate_guided_spec(request.params.guided)
         max_tokens = request.params.max_tokens or self.max_model_len
         longest = min(num_prompt + max_tokens, self.max_model_len)
         if longest > self.kv_capacity_tokens:

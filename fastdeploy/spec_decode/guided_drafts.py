@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
-from fastdeploy.model_executor.guided_decoding.matcher import GuidedState
+from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, allocate_bitmask
 
 
 def trim_drafts_to_grammar(states: dict[int, GuidedState], drafts: dict[int, list[int]]) -> None:
@@ -34,11 +33,7 @@ def fill_draft_bitmasks(states: list[GuidedState | None], drafts: list[list[int]
     """
     if all(s is None for s in states):
         return None
-    rows = sum(len(d) + 1 for d in drafts)
-    if pinned:  # -1 = all 32 bits set: unconstrained rows allow every token
-        bitmask = torch.full(xgr.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32, pin_memory=True)
-    else:
-        bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+    bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size, pinned)  # unconstrained rows: all ones
     row = 0
     for state, draft in zip(states, drafts):
         if state is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
+from fastdeploy.model_executor.guided_decoding.coverage import BACKEND_NAMES
 from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
 from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 from fastdeploy.reasoning import EndMarkerDetector, ReasoningParser, get_reasoning_parser
@@ -37,19 +38,23 @@ class _Thinking:
 class GuidedRuntime:
     """Compiles in background threads; the step loop only polls, so no step waits on a compile.
 
-    The tokenizer (needed for xgrammar's TokenizerInfo) loads in the background on the
+    The tokenizer (needed by both grammar backends) loads in the background on the
     first constrained request: a worker that never sees one never pays for it (loading
     it at start-up took ~6 s of CPU and slowed the first decodes 3x on 2 cores).
+    Each spec arrives with its backend already chosen by the engine (select.py).
     """
 
     def __init__(self, model: str | None, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
-                 cache_limit_bytes: int, reasoning_parser: str | None = None) -> None:
-        """reasoning_parser: a registered name; constraints then start after its end marker."""
+                 cache_limit_bytes: int, reasoning_parser: str | None = None, backend: str = "auto") -> None:
+        """reasoning_parser: a registered name; constraints then start after its end marker.
+        backend: --guided-decoding-backend; "auto" loads both backends."""
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         if reasoning_parser is not None:
             get_reasoning_parser(reasoning_parser)  # an unknown name fails at start-up, not on a request
-        self._boot_args = (model, vocab_size, timeout_s, cache_limit_bytes, reasoning_parser)
+        backends = BACKEND_NAMES if backend == "auto" else (backend,)
+        self._boot_args = (model, vocab_size, stop_token_ids, backends, timeout_s, cache_limit_bytes,
+                           reasoning_parser)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-boot")
         self._boot: Future[_Boot] | None = None
         self._unsubmitted: dict[int, GuidedSpec] = {}
@@ -59,14 +64,15 @@ class GuidedRuntime:
         self._thinking: dict[int, _Thinking] = {}
 
     @staticmethod
-    def _build(model: str | None, vocab_size: int, timeout_s: float, cache_limit_bytes: int,
-               reasoning_parser: str | None) -> _Boot:
+    def _build(model: str | None, vocab_size: int, stop_token_ids: list[int], backends: tuple[str, ...],
+               timeout_s: float, cache_limit_bytes: int, reasoning_parser: str | None) -> _Boot:
         from fastdeploy.model_executor.model_loader import get_tokenizer
 
         tokenizer = get_tokenizer(model)
         # Half the cores per compile: the other half keeps decoding the unconstrained requests.
         threads = max(1, (os.cpu_count() or 2) // 2)
-        service = GrammarCompileService.from_tokenizer(tokenizer, vocab_size, timeout_s=timeout_s,
+        service = GrammarCompileService.from_tokenizer(tokenizer, vocab_size, backends=backends,
+                                                       stop_token_ids=stop_token_ids, timeout_s=timeout_s,
                                                        cache_limit_bytes=cache_limit_bytes, compiler_threads=threads)
         reasoning = get_reasoning_parser(reasoning_parser)(tokenizer) if reasoning_parser else None
         return _Boot(service, reasoning)
@@ -104,7 +110,7 @@ class GuidedRuntime:
         self._unsubmitted.clear()
         ready, failed = boot.service.poll()
         for seq_id, compiled in ready.items():
-            state = GuidedState(compiled, stop_token_ids=self.stop_token_ids)
+            state = GuidedState(compiled)
             if boot.reasoning is None:
                 self.states[seq_id] = state
             else:

@@ -150,10 +150,11 @@ class ModelRunner:
         self._mtp_pending: tuple[PendingDrafts, list[int]] | None = None
         self.sequences: dict[int, WorkerSequence] = {}
         self.guided: GuidedRuntime | None = None
-        if config.guided_decoding_backend == "xgrammar":
+        if config.guided_decoding_backend != "off":
             self.guided = GuidedRuntime(tokenizer_path(config.model, config.tokenizer), self.model_config.vocab_size,
                                         list(self.model_config.eos_token_ids), config.grammar_compile_timeout_s,
-                                        config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser)
+                                        config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser,
+                                        backend=config.guided_decoding_backend)
         if rank == 0:  # the rank that samples
             self._warm_up_sampler()
 

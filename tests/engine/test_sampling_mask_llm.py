@@ -58,8 +58,9 @@ def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
     assert len(out.sampling_mask) == len(out.token_ids) == len(out.logprobs)
 
     config = mask_llm.engine.executor.runner.model_config
-    service = GrammarCompileService.from_tokenizer(mask_llm.tokenizer, config.vocab_size)
-    state = GuidedState(service.compile(spec), stop_token_ids=list(config.eos_token_ids))
+    service = GrammarCompileService.from_tokenizer(mask_llm.tokenizer, config.vocab_size,
+                                                   stop_token_ids=list(config.eos_token_ids))
+    state = GuidedState(service.compile(spec))
     for token, mask in zip(out.token_ids, out.sampling_mask):
         allowed = unpack_token_bitmask(fill_bitmasks([state], config.vocab_size), config.vocab_size)[0]
         assert mask is not None and token in mask

@@ -52,14 +52,19 @@ def load_cases(tokenizer, directory: Path = JSB_DIR) -> list[Case]:
     return cases
 
 
-def _child(conn: Connection, tokenizer_info, case: Case, timeout_s: float, opts: dict, measure_fill: bool) -> None:
-    import xgrammar as xgr
-
-    from fastdeploy.model_executor.guided_decoding import GrammarCompileService, GuidedSpec, GuidedState
+def _child(conn: Connection, tokenizer_info, case: Case, timeout_s: float, measure_fill: bool) -> None:
+    from fastdeploy.model_executor.guided_decoding import (
+        GrammarCompileService,
+        GuidedSpec,
+        GuidedState,
+        allocate_bitmask,
+    )
+    from fastdeploy.model_executor.guided_decoding.xgrammar_backend import XGrammarBackend
 
     res = Result(case.name, "ok")
     try:
-        service = GrammarCompileService(tokenizer_info, max_workers=1, compiler_threads=1, timeout_s=timeout_s, **opts)
+        backend = XGrammarBackend(tokenizer_info, compiler_threads=1)
+        service = GrammarCompileService(backend, max_workers=1, timeout_s=timeout_s)
         spec = GuidedSpec("json_schema", case.schema)
         t0 = time.perf_counter()
         service.submit(0, spec)
@@ -79,7 +84,7 @@ def _child(conn: Connection, tokenizer_info, case: Case, timeout_s: float, opts:
             res.cached_s = time.perf_counter() - t0
             grammar = ready[0]
             eos = tokenizer_info.stop_token_ids
-            bitmask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
+            bitmask = allocate_bitmask(1, tokenizer_info.vocab_size)
             for ids, valid in case.instances:
                 state = GuidedState(grammar)
                 ok = True
@@ -107,7 +112,6 @@ def run_cases(
     *,
     timeout_s: float,
     parallel: int = 2,
-    opts: dict | None = None,
     measure_fill: bool = False,
     hard_margin_s: float = 20.0,
 ) -> list[Result]:
@@ -121,7 +125,7 @@ def run_cases(
         while todo and len(running) < parallel:
             i, case = todo.pop()
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(child, tokenizer_info, case, timeout_s, opts or {}, measure_fill))
+            p = ctx.Process(target=_child, args=(child, tokenizer_info, case, timeout_s, measure_fill))
             p.start()
             child.close()
             running[parent] = (i, p, time.monotonic() + timeout_s + hard_margin_s)

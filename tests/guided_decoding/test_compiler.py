@@ -1,4 +1,5 @@
-"""GrammarCompileService: async submit/poll, dedup and cache, failures, timeouts, cancel."""
+"""GrammarCompileService: async submit/poll, dedup and cache, failures, timeouts, cancel; each
+test that takes `compile_service` or `grammar_backend` runs on both backends."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ def test_submit_poll_and_failures(compile_service):
     compile_service.submit(3, GuidedSpec("choice", "[]"))
     ready, failed = wait_all(compile_service, {1, 2, 3})
     assert set(ready) == {1}
-    assert "parenthesis is not closed" in failed[2] and "/project" not in failed[2]
+    words = {"xgrammar": "parenthesis is not closed", "llguidance": "unclosed group"}[compile_service.default_backend]
+    assert words in failed[2] and "/project" not in failed[2]
     assert "empty" in failed[3]
     assert compile_service.poll() == ({}, {})  # each key is reported once
     assert compile_service.num_pending == 0
 
 
-def test_identical_specs_compile_once(tokenizer_info):
-    service = GrammarCompileService(tokenizer_info, max_workers=2, timeout_s=60)
+def test_identical_specs_compile_once(grammar_backend):
+    service = GrammarCompileService(grammar_backend, max_workers=2, timeout_s=60)
     try:
         t = time.perf_counter()
         service.compile(SLOW)
@@ -60,8 +62,9 @@ def test_identical_specs_compile_once(tokenizer_info):
         service.shutdown()
 
 
-def test_timeout_is_reported_and_poll_does_not_block(tokenizer_info):
-    service = GrammarCompileService(tokenizer_info, max_workers=1, timeout_s=0.02)
+def test_timeout_is_reported_and_poll_does_not_block(backends):
+    # xgrammar: its compile of this regex takes far longer than the timeout (llguidance's does not).
+    service = GrammarCompileService(backends["xgrammar"], max_workers=1, timeout_s=0.02)
     try:
         service.submit(1, GuidedSpec("regex", "[A-Z]{1,220}"))
         worst = 0.0
@@ -101,6 +104,8 @@ def test_cancel(compile_service):
 
 @pytest.mark.parametrize("kind", ["json_object", "grammar", "structural_tag"])
 def test_every_kind_compiles(compile_service, kind):
+    if kind == "structural_tag" and compile_service.default_backend == "llguidance":
+        pytest.skip("structural tags compile on xgrammar only")
     value = {
         "json_object": "",
         "grammar": 'root ::= "a"+',
@@ -109,3 +114,24 @@ def test_every_kind_compiles(compile_service, kind):
     compile_service.submit(5, GuidedSpec(kind, value))
     ready, failed = wait_all(compile_service, {5})
     assert 5 in ready, failed
+
+
+def test_specs_compile_on_the_backend_they_name(backends):
+    """One service, both backends: each spec compiles on the backend pinned in it, and the
+    cache keeps them apart."""
+    service = GrammarCompileService([backends["xgrammar"], backends["llguidance"]], timeout_s=60)
+    try:
+        spec = GuidedSpec("regex", "[a-c]{2,5}")
+        x = service.compile(spec)  # "" = the first backend given
+        lg = service.compile(GuidedSpec("regex", "[a-c]{2,5}", backend="llguidance"))
+        assert x.backend.name == "xgrammar" and lg.backend.name == "llguidance"
+        assert service.compile(GuidedSpec("regex", "[a-c]{2,5}", backend="xgrammar")) is x
+        with pytest.raises(ValueError, match="structural tags need the xgrammar backend"):
+            service.compile(GuidedSpec("structural_tag", "{}", backend="llguidance"))
+    finally:
+        service.shutdown()
+    only_x = GrammarCompileService(backends["xgrammar"])
+    only_x.submit(1, GuidedSpec("regex", "a", backend="llguidance"))
+    _, failed = wait_all(only_x, {1})
+    assert "not enabled" in failed[1]
+    only_x.shutdown()

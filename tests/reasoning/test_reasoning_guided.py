@@ -23,9 +23,11 @@ def llm(request):
     return LLM(reasoning_parser="think", max_model_len=512, speculative_config=spec)
 
 
-def test_constraint_starts_after_the_marker(llm):
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_constraint_starts_after_the_marker(llm, backend):
     parser = ThinkReasoningParser(llm.tokenizer)
-    free, constrained = (llm.generate(COMPLETION_PROMPT, greedy(g))[0].outputs[0] for g in (None, CHOICE))
+    choice = GuidedSpec(CHOICE.kind, CHOICE.value, backend=backend)
+    free, constrained = (llm.generate(COMPLETION_PROMPT, greedy(g))[0].outputs[0] for g in (None, choice))
     marker = parser.end_token_ids
     end = next(i + len(marker) for i in range(len(constrained.token_ids))
                if constrained.token_ids[i:i + len(marker)] == marker)

@@ -94,6 +94,10 @@ class CommonRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
+    # JSON output without whitespace outside strings; None: the server's default.
+    disable_any_whitespace: bool | None = None
+    # Accept a grammar looser than the schema where no backend enforces all of it (else a 400).
+    guided_best_effort: bool = False
 
     def guided_field(self) -> str | None:
         """The structured-output field this request used, for naming it in errors."""
@@ -138,7 +142,8 @@ class CommonRequest(BaseModel):
             sampling_mask_format=self.sampling_mask_format,
             skip_special_tokens=self.skip_special_tokens,
             guided=guided_spec_from_request(
-                {f: getattr(self, f) for f in GUIDED_FIELDS if getattr(self, f) is not None}),
+                {f: getattr(self, f) for f in GUIDED_FIELDS if getattr(self, f) is not None},
+                disable_any_whitespace=self.disable_any_whitespace, best_effort=self.guided_best_effort),
         )
 
 

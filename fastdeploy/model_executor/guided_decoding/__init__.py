@@ -1,29 +1,38 @@
-"""Guided (structured) decoding with xgrammar: request parsing, async compilation,
-per-request matchers and the token bitmask. See DESIGN.md, "Guided decoding"."""
+"""Guided (structured) decoding with xgrammar or llguidance: request parsing, backend
+choice, async compilation, per-request matchers and the token bitmask. See DESIGN.md,
+"Guided decoding", and docs/structured_output.md."""
 
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend, TokenMatcher
 from fastdeploy.model_executor.guided_decoding.bitmask import apply_token_bitmask_inplace
-from fastdeploy.model_executor.guided_decoding.compiler import (
-    GrammarCompileService,
-    compile_spec,
-    tokenizer_info_from_hf,
-)
-from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
-from fastdeploy.model_executor.guided_decoding.spec import (
-    GUIDED_KINDS,
-    GuidedSpec,
-    guided_spec_from_request,
+from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService, build_backend
+from fastdeploy.model_executor.guided_decoding.coverage import BACKEND_NAMES, Gap, schema_gaps
+from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, allocate_bitmask, fill_bitmasks
+from fastdeploy.model_executor.guided_decoding.select import (
+    BACKEND_SETTINGS,
+    choose_backend,
+    resolve_guided_spec,
     validate_guided_spec,
 )
+from fastdeploy.model_executor.guided_decoding.spec import GUIDED_KINDS, GuidedSpec, guided_spec_from_request
 
 __all__ = [
+    "BACKEND_NAMES",
+    "BACKEND_SETTINGS",
     "GUIDED_KINDS",
+    "CompiledGrammar",
+    "Gap",
+    "GrammarBackend",
     "GrammarCompileService",
     "GuidedSpec",
     "GuidedState",
+    "TokenMatcher",
+    "allocate_bitmask",
     "apply_token_bitmask_inplace",
-    "compile_spec",
+    "build_backend",
+    "choose_backend",
     "fill_bitmasks",
     "guided_spec_from_request",
-    "tokenizer_info_from_hf",
+    "resolve_guided_spec",
+    "schema_gaps",
     "validate_guided_spec",
 ]

@@ -1,65 +1,68 @@
-"""Asynchronous grammar compilation: one xgrammar GrammarCompiler (with its cache) behind a
-thread pool, polled without blocking by the worker's step loop."""
+"""Asynchronous grammar compilation: the grammar backends behind one thread pool and one cache,
+polled without blocking by the worker's step loop."""
 
 from __future__ import annotations
 
-import json
-import os
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import xgrammar as xgr
+import msgspec
 
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec, _clean_xgr_error, choice_ebnf
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend
+from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 
-__all__ = ["GrammarCompileService", "compile_spec", "tokenizer_info_from_hf"]
+__all__ = ["GrammarCompileService", "build_backend"]
 
 
-def tokenizer_info_from_hf(tokenizer, vocab_size: int | None = None, stop_token_ids: list[int] | None = None):
-    """xgrammar.TokenizerInfo for a HF tokenizer.
+def build_backend(name: str, tokenizer, vocab_size: int | None = None, stop_token_ids: list[int] | None = None,
+                  compiler_threads: int | None = None) -> GrammarBackend:
+    """A backend by name for a HF tokenizer.
 
     vocab_size: the model's logits width, which may exceed len(tokenizer) (padded embedding
         tables); ids past the tokenizer's are then never allowed. None = len(tokenizer).
-    stop_token_ids: tokens that end a constrained output; None = xgrammar's detection
-        (the tokenizer's eos).
+    stop_token_ids: tokens that end a constrained output; None = the tokenizer's eos.
     """
-    return xgr.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=vocab_size if vocab_size is not None else len(tokenizer), stop_token_ids=stop_token_ids
-    )
+    if name == "xgrammar":
+        from fastdeploy.model_executor.guided_decoding.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend.from_tokenizer(tokenizer, vocab_size, stop_token_ids, compiler_threads=compiler_threads)
+    if name == "llguidance":
+        from fastdeploy.model_executor.guided_decoding.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend.from_tokenizer(tokenizer, vocab_size, stop_token_ids)
+    raise ValueError(f"unknown grammar backend {name!r}")
 
 
-def compile_spec(
-    compiler: xgr.GrammarCompiler,
-    spec: GuidedSpec,
-    *,
-    any_whitespace: bool = True,
-    strict_mode: bool = True,
-    max_whitespace_cnt: int | None = None,
-) -> xgr.CompiledGrammar:
-    """Compile `spec` synchronously on `compiler` (hits its cache for a repeated spec).
+class _Cache:
+    """Compiled grammars by spec, least recently used evicted past a byte budget. Thread-safe:
+    the pool's threads fill it while the step loop reads it."""
 
-    Raises whatever xgrammar raises (RuntimeError subclasses) for an invalid spec.
-    """
-    kind, value = spec.kind, spec.value
-    if kind == "json_schema":
-        return compiler.compile_json_schema(
-            value, any_whitespace=any_whitespace, strict_mode=strict_mode, max_whitespace_cnt=max_whitespace_cnt
-        )
-    if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
-    if kind == "regex":
-        return compiler.compile_regex(value)
-    if kind == "choice":
-        choices = json.loads(value)
-        if not choices:
-            raise ValueError("guided_choice must not be empty")
-        return compiler.compile_grammar(choice_ebnf(choices))
-    if kind == "grammar":
-        return compiler.compile_grammar(value)
-    if kind == "structural_tag":
-        return compiler.compile_structural_tag(value)
-    raise ValueError(f"unknown guided decoding kind {kind!r}")
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.size_bytes = 0
+        self._items: OrderedDict[GuidedSpec, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: GuidedSpec) -> CompiledGrammar | None:
+        with self._lock:
+            compiled = self._items.get(spec)
+            if compiled is not None:
+                self._items.move_to_end(spec)
+            return compiled
+
+    def put(self, spec: GuidedSpec, compiled: CompiledGrammar) -> None:
+        with self._lock:
+            if spec in self._items:
+                return
+            self._items[spec] = compiled
+            self.size_bytes += compiled.memory_bytes
+            while self.size_bytes > self.limit_bytes and len(self._items) > 1:
+                _, old = self._items.popitem(last=False)
+                self.size_bytes -= old.memory_bytes
 
 
 @dataclass
@@ -72,22 +75,15 @@ class _Job:
     timed_out: bool = False
 
 
-@dataclass
-class _Options:
-    any_whitespace: bool = True
-    strict_mode: bool = True
-    max_whitespace_cnt: int | None = None
-
-
 class GrammarCompileService:
     """Compiles GuidedSpecs in the background; the caller polls for results.
 
-    One GrammarCompiler (xgrammar caches compiled grammars by spec and options, so an
-    identical spec compiles once) behind a ThreadPoolExecutor. xgrammar releases the GIL
-    while compiling, so the step loop keeps running. Identical specs in flight at the same
-    time also share one compile.
+    Each spec compiles on the backend it names (`spec.backend`; "" = the first backend
+    given), behind one ThreadPoolExecutor and one cache of compiled grammars: an identical
+    spec compiles once. Both backends release the GIL while compiling, so the step loop
+    keeps running. Identical specs in flight at the same time also share one compile.
 
-    Timeouts: xgrammar cannot interrupt a compile, so a compile running longer than
+    Timeouts: neither backend can interrupt a compile, so a compile running longer than
     `timeout_s` is *reported* failed, and its thread runs on to completion in the
     background (the result lands in the cache). Its spec stays marked: a resubmission
     while it still runs fails at once instead of starting a second copy.
@@ -98,54 +94,51 @@ class GrammarCompileService:
 
     def __init__(
         self,
-        tokenizer_info: xgr.TokenizerInfo,
+        backends: GrammarBackend | Sequence[GrammarBackend],
         *,
         max_workers: int = 2,
-        compiler_threads: int | None = None,
         timeout_s: float = 30.0,
         cache_limit_bytes: int = 512 << 20,
-        any_whitespace: bool = True,
-        strict_mode: bool = True,
-        max_whitespace_cnt: int | None = None,
     ) -> None:
-        """
-        max_workers: grammars compiled concurrently.
-        compiler_threads: xgrammar's own threads per compile (token-mask precomputation).
-        any_whitespace / strict_mode / max_whitespace_cnt: JSON-schema options, see
-            xgrammar.GrammarCompiler.compile_json_schema. strict_mode=True forbids properties
-            and items the schema does not list (additionalProperties defaults to false).
-        """
-        self.tokenizer_info = tokenizer_info
-        self.vocab_size: int = tokenizer_info.vocab_size
+        """max_workers: grammars compiled concurrently."""
+        backends = [backends] if not isinstance(backends, Sequence) else list(backends)
+        self.backends: dict[str, GrammarBackend] = {b.name: b for b in backends}
+        self.default_backend = backends[0].name
+        self.vocab_size: int = backends[0].vocab_size
+        if any(b.vocab_size != self.vocab_size for b in backends):
+            raise ValueError("grammar backends disagree on the vocabulary size")
         self.timeout_s = timeout_s
-        self._options = _Options(any_whitespace, strict_mode, max_whitespace_cnt)
-        self._compiler = xgr.GrammarCompiler(
-            tokenizer_info,
-            max_threads=compiler_threads or min(8, os.cpu_count() or 1),
-            cache_enabled=True,
-            cache_limit_bytes=cache_limit_bytes,
-        )
+        self._cache = _Cache(cache_limit_bytes)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._jobs: dict[GuidedSpec, _Job] = {}
         self._key_spec: dict[int, GuidedSpec] = {}
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, **kwargs) -> "GrammarCompileService":
-        """Build from a HF tokenizer; vocab_size = the model's logits width (see tokenizer_info_from_hf)."""
-        return cls(tokenizer_info_from_hf(tokenizer, vocab_size), **kwargs)
+    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, *, backends: Sequence[str] = ("xgrammar",),
+                       stop_token_ids: list[int] | None = None, compiler_threads: int | None = None,
+                       **kwargs) -> "GrammarCompileService":
+        """Build the named backends for a HF tokenizer (see build_backend)."""
+        return cls([build_backend(name, tokenizer, vocab_size, stop_token_ids, compiler_threads) for name in backends],
+                   **kwargs)
 
     # -- synchronous -------------------------------------------------------------------
 
-    def compile(self, spec: GuidedSpec) -> xgr.CompiledGrammar:
-        """Compile in the calling thread, with this service's options and cache. Raises on error."""
-        o = self._options
-        return compile_spec(
-            self._compiler,
-            spec,
-            any_whitespace=o.any_whitespace,
-            strict_mode=o.strict_mode,
-            max_whitespace_cnt=o.max_whitespace_cnt,
-        )
+    def _pinned(self, spec: GuidedSpec) -> GuidedSpec:
+        """`spec` naming the backend that compiles it: the cache and dedup key."""
+        if spec.backend:
+            if spec.backend not in self.backends:
+                raise ValueError(f"grammar backend {spec.backend!r} is not enabled on this server")
+            return spec
+        return msgspec.structs.replace(spec, backend=self.default_backend)
+
+    def compile(self, spec: GuidedSpec) -> CompiledGrammar:
+        """Compile in the calling thread, through this service's cache. Raises on error."""
+        spec = self._pinned(spec)
+        compiled = self._cache.get(spec)
+        if compiled is None:
+            compiled = self.backends[spec.backend].compile(spec)
+            self._cache.put(spec, compiled)
+        return compiled
 
     # -- asynchronous ------------------------------------------------------------------
 
@@ -162,16 +155,16 @@ class GrammarCompileService:
         self._jobs[spec] = job
         job.future = self._pool.submit(self._run, job, spec)
 
-    def _run(self, job: _Job, spec: GuidedSpec) -> xgr.CompiledGrammar:
+    def _run(self, job: _Job, spec: GuidedSpec) -> CompiledGrammar:
         job.started = time.monotonic()
         return self.compile(spec)
 
-    def poll(self) -> tuple[dict[int, xgr.CompiledGrammar], dict[int, str]]:
+    def poll(self) -> tuple[dict[int, CompiledGrammar], dict[int, str]]:
         """(newly compiled grammars by key, newly failed keys with a message). Never blocks.
 
         Each key is reported once, then forgotten.
         """
-        ready: dict[int, xgr.CompiledGrammar] = {}
+        ready: dict[int, CompiledGrammar] = {}
         failed: dict[int, str] = {}
         now = time.monotonic()
         for spec, job in list(self._jobs.items()):
@@ -185,7 +178,7 @@ class GrammarCompileService:
                     if exc is None:
                         ready[key] = fut.result()
                     else:
-                        failed[key] = f"grammar compilation failed: {_clean_xgr_error(exc)}"
+                        failed[key] = f"grammar compilation failed: {exc}"
             elif job.started is not None and now - job.started > self.timeout_s:
                 job.timed_out = True
                 for key in job.keys:
@@ -221,10 +214,10 @@ class GrammarCompileService:
         return sum(1 for j in self._jobs.values() if j.timed_out)
 
     def cache_size_bytes(self) -> int:
-        return self._compiler.get_cache_size_bytes()
+        return self._cache.size_bytes
 
     def shutdown(self) -> None:
-        """Drop queued compiles; running ones cannot be interrupted (xgrammar has no cancel),
+        """Drop queued compiles; running ones cannot be interrupted (no backend has a cancel),
         so the threads are not waited for."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._jobs.clear()

@@ -1,63 +1,49 @@
-"""Per-request grammar state and the batch bitmask the sampler applies."""
+"""Per-request grammar state and the batch bitmask the sampler applies, for either backend."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
-import xgrammar as xgr
 
-__all__ = ["GuidedState", "fill_bitmasks"]
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar
+
+__all__ = ["GuidedState", "allocate_bitmask", "fill_bitmasks"]
 
 
-def _bit(i: int) -> int:
-    """Bit i of an int32 word as a signed int32 value (bit 31 is the sign bit)."""
-    return (1 << i) - (1 << 32) if i == 31 else 1 << i
+def allocate_bitmask(rows: int, vocab_size: int, pinned: bool = False) -> torch.Tensor:
+    """int32 [rows, ceil(vocab_size / 32)] on CPU, every token allowed (-1 = all 32 bits set).
+
+    pinned: page-locked memory, ready for a non-blocking copy to the GPU.
+    """
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
 
 
 class GuidedState:
-    """One constrained request's position in its grammar (wraps xgrammar.GrammarMatcher).
+    """One constrained request's position in its grammar: the backend's matcher plus the
+    count of accepted tokens that bounds rollback.
 
     Not thread-safe; a state is touched by one thread at a time (the bitmask filler or the
     step loop), never both.
     """
 
-    def __init__(
-        self,
-        compiled: xgr.CompiledGrammar,
-        *,
-        max_rollback_tokens: int = -1,
-        stop_token_ids: list[int] | None = None,
-    ) -> None:
-        """
-        max_rollback_tokens: how far `rollback` may go (speculative decoding rolls back
-            rejected drafts). xgrammar 0.2.8 ignores it: rollback is always unlimited.
-        stop_token_ids: override the tokens that complete the grammar (default: the
-            TokenizerInfo's stop tokens, i.e. eos).
-        """
+    def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
-        self.max_rollback_tokens = max_rollback_tokens
-        self._matcher = xgr.GrammarMatcher(
-            compiled, override_stop_tokens=stop_token_ids, max_rollback_tokens=max_rollback_tokens
-        )
+        self.backend = compiled.backend.name
+        self._matcher = compiled.matcher()
         self.num_accepted = 0  # tokens accepted and not rolled back
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (int32 [B, ceil(V/32)], CPU).
+        """Write the allowed next tokens into bitmask[row] (int32 [B, ceil(V/32)], CPU, contiguous).
 
-        A terminated state (xgrammar raises on it) allows only its stop tokens, so a row
-        still in the batch for a step after termination samples a harmless eos.
+        A terminated state allows only its stop tokens, so a row still in the batch for a
+        step after termination samples a harmless eos.
         """
-        if self._matcher.is_terminated():
-            bitmask[row].zero_()
-            for t in self._matcher.stop_token_ids:
-                bitmask[row, t // 32] |= _bit(t % 32)
-            return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._matcher.fill_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar rejects it."""
-        ok = self._matcher.accept_token(int(token_id))
+        ok = self._matcher.accept(int(token_id))
         if ok:
             self.num_accepted += 1
         return ok
@@ -73,7 +59,7 @@ class GuidedState:
         return n
 
     def accept_string(self, text: str) -> bool:
-        """Advance by raw text (no tokenization; for tests and jump-forward)."""
+        """Advance by raw text (no tokenization by the model; for tests). Not counted for rollback."""
         return self._matcher.accept_string(text)
 
     def rollback(self, num_tokens: int) -> None:
@@ -108,16 +94,16 @@ def fill_bitmasks(
     Rows of None (unconstrained) states are all ones; None when no row is constrained, so
     the sampler skips masking altogether. `out`, if given, is a preallocated CPU buffer with
     at least B rows (e.g. pinned memory for a fast host-to-device copy); its first B rows
-    are returned.
+    are returned. Rows of both backends share one buffer: their layouts are the same.
     """
     if all(s is None for s in states):
         return None
     batch = len(states)
     if out is None:
-        bitmask = xgr.allocate_token_bitmask(batch, vocab_size)
+        bitmask = allocate_bitmask(batch, vocab_size)
     else:
         bitmask = out[:batch]
-        bitmask.fill_(-1)  # -1 = all 32 bits set
+        bitmask.fill_(-1)
     for row, state in enumerate(states):
         if state is not None:
             state.fill_bitmask(bitmask, row)

@@ -7,14 +7,13 @@ engine ships it to the worker, and the compile service uses it as its dedup key.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import msgspec
 
 from fastdeploy.engine.errors import ParameterError
 
-__all__ = ["GUIDED_KINDS", "GuidedSpec", "guided_spec_from_request", "validate_guided_spec"]
+__all__ = ["GUIDED_KINDS", "GuidedSpec", "guided_spec_from_request"]
 
 GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -30,10 +29,18 @@ class GuidedSpec(msgspec.Struct, array_like=True, frozen=True):
         ("regex"), a JSON list of the choice strings ("choice"), EBNF text ("grammar"), or
         the structural tag as JSON in xgrammar's `{"type": "structural_tag", "format": ...}`
         form ("structural_tag"; the legacy structures/triggers form is converted on parse).
+    disable_any_whitespace: JSON without whitespace outside strings (json_schema,
+        json_object); None until the engine fills in the server's default.
+    best_effort: the request accepts a grammar looser than its schema where no backend
+        enforces every keyword (otherwise such a schema is refused).
+    backend: "xgrammar" or "llguidance"; "" until the engine picks one (select.py).
     """
 
     kind: str
     value: str
+    disable_any_whitespace: bool | None = None
+    best_effort: bool = False
+    backend: str = ""
 
 
 def _dumps(obj: Any) -> str:
@@ -107,14 +114,23 @@ def _from_response_format(rf: Any) -> GuidedSpec | None:
     )
 
 
-def guided_spec_from_request(body: dict) -> GuidedSpec | None:
+def guided_spec_from_request(body: dict, *, disable_any_whitespace: bool | None = None,
+                             best_effort: bool = False) -> GuidedSpec | None:
     """The output constraint a request body asks for, or None.
 
     Reads `response_format`, `guided_json`, `guided_regex`, `guided_choice`,
     `guided_grammar` and `structural_tag`; a field set to null counts as absent.
     Raises ParameterError (param = the offending field) when two forms are given or a
-    value has the wrong type. Does not compile anything: see validate_guided_spec.
+    value has the wrong type. Does not compile anything: see select.validate_guided_spec.
+    disable_any_whitespace / best_effort: the request's options, carried by the spec.
     """
+    spec = _spec_from_fields(body)
+    if spec is None:
+        return None
+    return msgspec.structs.replace(spec, disable_any_whitespace=disable_any_whitespace, best_effort=best_effort)
+
+
+def _spec_from_fields(body: dict) -> GuidedSpec | None:
     given = [f for f in _GUIDED_FIELDS if body.get(f) is not None]
     # {"type": "text"} is the OpenAI way of saying "no constraint"; it does not conflict.
     rf = body.get("response_format")
@@ -166,50 +182,3 @@ def spec_param(spec: GuidedSpec) -> str:
         "grammar": "guided_grammar",
         "structural_tag": "structural_tag",
     }.get(spec.kind, "response_format")
-
-
-def _clean_xgr_error(e: Exception) -> str:
-    """xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: "; keep the message."""
-    msg = str(e).strip()
-    msg = re.sub(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", msg)
-    msg = msg.replace("Check failed: (error.empty()) is false: ", "")
-    return msg.splitlines()[0] if msg else type(e).__name__
-
-
-def build_grammar(spec: GuidedSpec, *, any_whitespace: bool = True, strict_mode: bool = True):
-    """Parse `spec` into an uncompiled xgrammar.Grammar (no tokenizer needed; fast: the
-    expensive part of compilation is the per-token mask cache, done by GrammarCompiler).
-
-    Raises ParameterError on an invalid spec.
-    """
-    import xgrammar as xgr
-
-    param = spec_param(spec)
-    try:
-        if spec.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=any_whitespace, strict_mode=strict_mode)
-        if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
-        if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.value)
-        if spec.kind == "choice":
-            choices = json.loads(spec.value)
-            if not choices:
-                raise ParameterError("`guided_choice` must not be empty", param)
-            return xgr.Grammar.from_ebnf(choice_ebnf(choices))
-        if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.value)
-        if spec.kind == "structural_tag":
-            return xgr.Grammar.from_structural_tag(spec.value)
-    except ParameterError:
-        raise
-    except Exception as e:  # xgrammar raises RuntimeError (and subclasses) for every parse error
-        what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "EBNF grammar"}
-        raise ParameterError(f"invalid {what.get(spec.kind, spec.kind)}: {_clean_xgr_error(e)}", param) from None
-    raise ParameterError(f"unknown guided decoding kind {spec.kind!r}", param)
-
-
-def validate_guided_spec(spec: GuidedSpec) -> None:
-    """Reject an invalid schema / regex / grammar / choice list / structural tag early,
-    in the API server, without a tokenizer. Raises ParameterError naming the field."""
-    build_grammar(spec)

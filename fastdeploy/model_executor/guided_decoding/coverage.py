@@ -1,0 +1,319 @@
+"""Which JSON Schema keywords each grammar backend enforces, and where a schema uses one it does not.
+
+A backend that ignores a keyword compiles a grammar *looser* than the schema: the output
+passes the grammar and fails the schema. This module walks a schema (every subschema,
+local `$ref` targets included) and reports each such use as a `Gap`, per backend, so the
+server can pick a backend that enforces the whole schema or refuse it by name.
+
+The tables err on the strict side. A keyword counts as enforced only where tests show
+the backend rejecting what the schema rejects (tests/guided_decoding/test_coverage.py);
+a backend may be *stricter* than the schema (xgrammar's strict mode forbids unlisted
+properties, llguidance fixes the property order), never looser. Keywords outside
+`CONSTRAINTS` (title, description, format, vendor extensions ...) only annotate
+and are ignored.
+
+Measured on xgrammar 0.2.8 (strict_mode) and llguidance 1.9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BACKEND_NAMES", "CONSTRAINTS", "Gap", "schema_gaps"]
+
+BACKEND_NAMES = ("xgrammar", "llguidance")
+
+# Every keyword of drafts 3 to 2020-12 that constrains an instance. `format` is an
+# annotation since 2019-09 (both backends enforce some formats: stricter, never looser).
+CONSTRAINTS = frozenset({
+    "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+    "$ref", "$dynamicRef", "$recursiveRef", "disallow", "extends",
+    "multipleOf", "divisibleBy", "maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern",
+    "items", "prefixItems", "additionalItems", "maxItems", "minItems", "uniqueItems",
+    "contains", "minContains", "maxContains", "unevaluatedItems",
+    "maxProperties", "minProperties", "required", "properties", "patternProperties",
+    "additionalProperties", "dependencies", "dependentRequired", "dependentSchemas",
+    "propertyNames", "unevaluatedProperties",
+})
+
+# Keywords that apply to one instance type only; the JSON type they belong to.
+_TYPE_OF = {
+    **dict.fromkeys(("multipleOf", "maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum"), "number"),
+    **dict.fromkeys(("maxLength", "minLength", "pattern"), "string"),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "maxItems", "minItems", "uniqueItems", "contains",
+                     "minContains", "maxContains", "unevaluatedItems"), "array"),
+    **dict.fromkeys(("maxProperties", "minProperties", "required", "properties", "patternProperties",
+                     "additionalProperties", "dependencies", "dependentRequired", "dependentSchemas",
+                     "propertyNames", "unevaluatedProperties"), "object"),
+}
+
+# Where subschemas live: {name: schema}, one schema, or [schema, ...].
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+            "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUB_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref")
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One use of a keyword that a backend would not enforce."""
+
+    keyword: str
+    path: str | None  # JSON pointer of the schema object that uses it; "" is the root; None: unknown
+    why: str = ""  # the condition that makes this use unenforced, when the keyword is enforced elsewhere
+
+    def __str__(self) -> str:
+        where = f"`{self.keyword}`" if self.path is None else f"`{self.keyword}` at {self.path or '/'}"
+        return f"{where} ({self.why})" if self.why else where
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _resolve(doc: Any, ref: str) -> tuple[str, Any] | None:
+    """A local `$ref` ("#", "#/a/b") → (pointer, schema); None when it is remote or dangling."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    pointer = ref[1:]
+    node = doc
+    for part in [p for p in pointer.split("/") if p] if pointer else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return pointer, node
+
+
+def _is_remote(node: dict) -> bool:
+    # A dangling local reference is not a gap but an invalid schema, which parsing reports.
+    return "$ref" in node and not (isinstance(node["$ref"], str) and node["$ref"].startswith("#"))
+
+
+def _subschemas(node: dict, path: str) -> Iterator[tuple[str, Any]]:
+    for key in _SUB_MAPS:
+        value = node.get(key)
+        if isinstance(value, dict):
+            for name, sub in value.items():
+                if key == "dependencies" and not isinstance(sub, (dict, bool)):
+                    continue  # draft-7 property dependencies: a list of names, not a schema
+                yield f"{path}/{key}/{_escape(name)}", sub
+    for key in _SUB_ONE:
+        value = node.get(key)
+        if isinstance(value, (dict, bool)):
+            yield f"{path}/{key}", value
+    for key in _SUB_LISTS:
+        value = node.get(key)
+        if isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield f"{path}/{key}/{i}", sub
+
+
+def _walk(doc: Any) -> Iterator[tuple[str, dict]]:
+    """Every schema object reachable from the root, each once, with its JSON pointer."""
+    seen: set[str] = set()
+    stack: list[tuple[str, Any]] = [("", doc)]
+    while stack:
+        path, node = stack.pop()
+        if path in seen or not isinstance(node, dict):
+            continue
+        seen.add(path)
+        yield path, node
+        stack.extend(_subschemas(node, path))
+        target = _resolve(doc, node["$ref"]) if "$ref" in node else None
+        if target is not None:
+            stack.append(target)
+
+
+def _types(node: Any) -> set[str] | None:
+    """The JSON types `node` admits when it says so (type, const, enum); None when it does not."""
+    if not isinstance(node, dict):
+        return None
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return set(t)
+    values = [node["const"]] if "const" in node else node.get("enum")
+    if isinstance(values, list):
+        return {_json_type(v) for v in values}
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _widen(types: set[str]) -> set[str]:
+    # An integer is a number: "number" admits every integer.
+    return types | {"integer"} if "number" in types else types
+
+
+def _values(node: Any) -> list | None:
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return [node["const"]]
+    return node.get("enum") if isinstance(node.get("enum"), list) else None
+
+
+def _disjoint(a: Any, b: Any) -> bool:
+    """Provably no instance matches both `a` and `b`: their types differ, or a property that
+    both require has disjoint const/enum values (a discriminator)."""
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not (_widen(ta) & _widen(tb)):
+        return True
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return False
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    both = set(a.get("required") or []) & set(b.get("required") or [])
+    for name in both:
+        va, vb = _values(pa.get(name)), _values(pb.get(name))
+        if va is not None and vb is not None and not any(x == y and _json_type(x) == _json_type(y)
+                                                         for x in va for y in vb):
+            return True
+    return False
+
+
+def _deref(doc: Any, node: Any) -> Any:
+    """Follow a branch that is only a local `$ref` (bounded, so a cycle ends)."""
+    for _ in range(16):
+        if not (isinstance(node, dict) and "$ref" in node):
+            return node
+        target = _resolve(doc, node["$ref"])
+        if target is None:
+            return node
+        node = target[1]
+    return node
+
+
+def _oneof_is_anyof(doc: Any, branches: list) -> bool:
+    """oneOf equals anyOf when no two branches can match the same instance."""
+    resolved = [_deref(doc, b) for b in branches]
+    return all(_disjoint(resolved[i], resolved[j]) for i in range(len(resolved)) for j in range(i + 1, len(resolved)))
+
+
+# -- xgrammar --------------------------------------------------------------------------
+
+# Ignored by xgrammar 0.2.8: the grammar admits what the keyword forbids.
+_XGRAMMAR_NEVER = frozenset({
+    "not", "if", "then", "else", "contains", "minContains", "maxContains", "unevaluatedItems",
+    "unevaluatedProperties", "dependencies", "dependentRequired", "dependentSchemas", "$dynamicRef",
+    "$recursiveRef", "disallow", "extends", "divisibleBy",
+    # Approximated: unlisted names are refused or admitted regardless of their pattern.
+    "patternProperties", "propertyNames",
+})
+
+
+def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
+    keys = [k for k in node if k in CONSTRAINTS]
+    gaps = [Gap(k, path) for k in keys if k in _XGRAMMAR_NEVER]
+    types = _types({"type": node["type"]}) if "type" in node else None
+
+    def gap(keyword: str, why: str) -> None:
+        if all(g.keyword != keyword for g in gaps):
+            gaps.append(Gap(keyword, path, why))
+
+    # Beside a combinator or $ref, xgrammar compiles the combinator alone and drops the rest.
+    for comb in _COMBINATORS:
+        if comb in node:
+            for k in keys:
+                if k != comb:
+                    gap(k, f"beside `{comb}`")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        gap("allOf", "more than one branch")
+    if isinstance(node.get("oneOf"), list) and not _oneof_is_anyof(doc, node["oneOf"]):
+        gap("oneOf", "branches not provably disjoint")
+    if _is_remote(node):
+        gap("$ref", "not a local reference")
+    # Beside enum/const only `type` is kept, and it does not filter the listed values.
+    for lit in ("enum", "const"):
+        if lit in node:
+            for k in keys:
+                if k not in ("enum", "const", "type"):
+                    gap(k, f"beside `{lit}`")
+            values = _values(node) or []
+            if types is not None and any(not ({_json_type(v)} & _widen(types)) for v in values):
+                gap(lit, "a value outside `type`")
+    for k in keys:
+        owner = _TYPE_OF.get(k)
+        if owner is None or k in _XGRAMMAR_NEVER:
+            continue
+        # A type-specific keyword is dropped when the schema does not say it is of that type
+        # (`properties` alone is honoured: it makes xgrammar generate an object).
+        admits = {"number", "integer"} if owner == "number" else {owner}
+        if k != "properties" and (types is None or not types & admits):
+            gap(k, "without a matching `type`")
+    if "required" in node:
+        required, listed = node["required"], node.get("properties") or {}
+        if not isinstance(required, list) or any(name not in listed for name in required):
+            gap("required", "names a property that `properties` does not list")
+    if "pattern" in node:
+        for k in ("minLength", "maxLength"):
+            if k in node:
+                gap(k, "beside `pattern`")
+    if "multipleOf" in node and (types is None or types - {"integer"} or not isinstance(node["multipleOf"], int)):
+        gap("multipleOf", "only integer multiples of an integer type are enforced")
+    for k in ("exclusiveMinimum", "exclusiveMaximum"):
+        if isinstance(node.get(k), bool):
+            gap(k, "draft-4 boolean form")
+    if node.get("uniqueItems") is True:
+        gap("uniqueItems", "")
+    if isinstance(node.get("items"), list):
+        gap("items", "draft-4 array form")
+    return gaps
+
+
+# -- llguidance ------------------------------------------------------------------------
+
+# Implemented by llguidance's JSON compiler, which refuses (rather than approximates) the
+# cases it cannot intersect (allOf), prove disjoint (oneOf) or bound (min/maxProperties):
+# those refusals come from llguidance itself, see llguidance_backend.
+_LLGUIDANCE_ENFORCED = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+    "multipleOf", "maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern",
+    "items", "prefixItems", "additionalItems", "maxItems", "minItems",
+    "maxProperties", "minProperties", "required", "properties", "patternProperties", "additionalProperties",
+})
+
+
+def _llguidance_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
+    gaps = [Gap(k, path) for k in node if k in CONSTRAINTS and k not in _LLGUIDANCE_ENFORCED]
+    if _is_remote(node):
+        gaps.append(Gap("$ref", path, "not a local reference"))
+    return gaps
+
+
+_RULES: dict[str, Callable[[Any, dict, str], list[Gap]]] = {
+    "xgrammar": _xgrammar_gaps,
+    "llguidance": _llguidance_gaps,
+}
+
+
+def schema_gaps(schema: Any, backend: str) -> list[Gap]:
+    """Every use in `schema` of a keyword `backend` would not enforce, root first.
+
+    `schema` is the parsed JSON schema (dict or bool). Empty list: the backend's grammar
+    admits only instances the schema admits.
+    """
+    rule = _RULES[backend]
+    gaps: list[Gap] = []
+    for path, node in sorted(_walk(schema), key=lambda pn: (pn[0].count("/"), pn[0])):
+        gaps.extend(rule(schema, node, path))
+    return gaps

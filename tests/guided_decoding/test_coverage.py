@@ -1,0 +1,172 @@
+"""Never a grammar looser than the schema: the keyword tables, the backend choice and the refusal.
+
+Grammars are judged on whole texts without compiling (tests/guided_decoding/exactness.py):
+an instance `jsonschema` calls invalid must be refused by the grammar of every backend the
+tables call exact for that schema.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastdeploy.engine.errors import ParameterError
+from fastdeploy.model_executor.guided_decoding import (
+    GuidedSpec,
+    guided_spec_from_request,
+    resolve_guided_spec,
+    schema_gaps,
+)
+from tests.guided_decoding.exactness import accepts, audit, schema_validity
+from tests.guided_decoding.jsb import JSB_DIR
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(backends):
+    return backends["llguidance"].tokenizer
+
+
+def pinned(schema: dict, backend: str) -> GuidedSpec:
+    """The spec compiled on `backend` whatever the tables say (to show what it would let through)."""
+    return GuidedSpec("json_schema", json.dumps(schema), disable_any_whitespace=False, backend=backend)
+
+
+# The silent under-constraints of xgrammar: (schema, an invalid instance its grammar admits,
+# a valid instance, what `auto` does: a backend name or the keyword of the 400).
+KNOWN = {
+    "required not in properties": (
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+        {"a": "x"}, {"a": "x", "b": 1}, "llguidance"),
+    "oneOf overlapping": (
+        {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, 1, -2.5, "oneOf"),
+    "allOf with enum": (
+        {"allOf": [{"type": "string", "enum": ["a", "b", "c"]}, {"enum": ["b", "c", "d"]}]}, "a", "b", "llguidance"),
+    "not": (
+        {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, {"a": "x"}, {"a": 1}, "not"),
+    "contains": (
+        {"type": "array", "items": {"type": "integer"}, "contains": {"type": "integer", "minimum": 5}},
+        [1, 2], [1, 7], "contains"),
+}
+
+
+@pytest.mark.parametrize("case", list(KNOWN))
+def test_known_under_constraints_are_refused_or_enforced(case, llg_tokenizer):
+    schema, invalid, valid, outcome = KNOWN[case]
+    assert schema_validity(schema, invalid) is False and schema_validity(schema, valid) is True
+    # The gap is real: xgrammar's grammar admits the invalid instance, and the table says so.
+    assert accepts(pinned(schema, "xgrammar"), json.dumps(invalid), llg_tokenizer)
+    assert schema_gaps(schema, "xgrammar")
+    spec = guided_spec_from_request({"guided_json": schema})
+    if outcome in ("xgrammar", "llguidance"):
+        chosen = resolve_guided_spec(spec, "auto")
+        assert chosen.backend == outcome
+        assert not accepts(chosen, json.dumps(invalid), llg_tokenizer)
+        assert accepts(chosen, json.dumps(valid), llg_tokenizer)
+        with pytest.raises(ParameterError, match=f"keyword `{schema_gaps(schema, 'xgrammar')[0].keyword}`"):
+            resolve_guided_spec(spec, "xgrammar")
+    else:
+        with pytest.raises(ParameterError) as e:
+            resolve_guided_spec(spec, "auto")
+        assert e.value.param == "response_format"
+        assert f"keyword `{outcome}` cannot be enforced" in str(e.value)
+        assert "xgrammar" in str(e.value) and "llguidance" in str(e.value) and "guided_best_effort" in str(e.value)
+
+
+def test_best_effort_is_an_explicit_opt_in():
+    schema = KNOWN["not"][0]
+    with pytest.raises(ParameterError):
+        resolve_guided_spec(guided_spec_from_request({"guided_json": schema}), "auto")
+    spec = resolve_guided_spec(guided_spec_from_request({"guided_json": schema}, best_effort=True), "auto")
+    assert spec.best_effort and spec.backend in ("xgrammar", "llguidance")
+    # A schema cannot opt itself in through llguidance's own options.
+    sneaky = dict(schema, **{"x-guidance": {"lenient": True}})
+    with pytest.raises(ParameterError, match="`not`"):
+        resolve_guided_spec(guided_spec_from_request({"guided_json": sneaky}), "llguidance")
+
+
+# Uses of keywords xgrammar 0.2.8 drops (the tables must list them), with an invalid
+# instance its grammar admits.
+XGRAMMAR_LOOSE = [
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "minimum": 5}, 3, "minimum"),
+    ({"$ref": "#/$defs/a", "maximum": 5, "$defs": {"a": {"type": "integer"}}}, 9, "maximum"),
+    ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, "aa", "minLength"),
+    ({"type": "integer", "enum": [1, "x"]}, "x", "enum"),
+    ({"minimum": 3}, 1, "minimum"),
+    ({"required": ["a"]}, {}, "required"),
+    ({"type": "object", "properties": {"a": {}}, "dependencies": {"a": ["b"]}}, {"a": 1}, "dependencies"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "uniqueItems"),
+    ({"allOf": [{"type": "integer"}, {"maximum": 3}]}, 5, "allOf"),
+]
+
+
+@pytest.mark.parametrize("schema, invalid, keyword", XGRAMMAR_LOOSE)
+def test_xgrammar_table_lists_what_xgrammar_drops(schema, invalid, keyword, llg_tokenizer):
+    assert schema_validity(schema, invalid) is False
+    assert accepts(pinned(schema, "xgrammar"), json.dumps(invalid), llg_tokenizer), "xgrammar now enforces this"
+    assert keyword in {g.keyword for g in schema_gaps(schema, "xgrammar")}
+
+
+# Schemas both tables call exact, with instances on both sides of the line.
+EXACT = [
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 9}},
+      "required": ["a"], "additionalProperties": False}, [{"a": 1}, {"a": 0}, {"a": 10}, {}, {"a": 1.5}]),
+    ({"type": "array", "items": {"type": "string", "maxLength": 2}, "minItems": 1, "maxItems": 2},
+     [["a"], [], ["a", "b", "c"], ["abc"], [1]]),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, [1, None, "1", 1.5]),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "x"}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": "y"}, "n": {"type": "integer"}},
+                 "required": ["k", "n"]}]},
+     [{"k": "x"}, {"k": "y", "n": 1}, {"k": "z"}, {"k": "y"}]),
+    ({"$ref": "#/definitions/p", "definitions": {"p": {"type": "string", "enum": ["r", "g"]}}}, ["r", "b", 1]),
+    ({"type": "integer", "multipleOf": 3}, [3, 4, 0]),
+    ({"type": ["string", "null"], "minLength": 2}, ["ab", "a", None]),
+]
+
+
+@pytest.mark.parametrize("schema, instances", EXACT)
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_exact_means_every_invalid_instance_is_refused(schema, instances, backend, llg_tokenizer):
+    assert schema_gaps(schema, backend) == []
+    spec = resolve_guided_spec(guided_spec_from_request({"guided_json": schema}), backend)
+    for instance in instances:
+        if accepts(spec, json.dumps(instance), llg_tokenizer):
+            assert schema_validity(schema, instance), f"{backend} admitted invalid {instance!r}"
+
+
+def test_structural_tag_schemas_are_checked():
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+        {"begin": "<f>", "content": {"type": "json_schema", "json_schema": KNOWN["not"][0]}, "end": "</f>"}]}}
+    with pytest.raises(ParameterError, match="`not`") as e:
+        resolve_guided_spec(guided_spec_from_request({"structural_tag": tag}), "auto")
+    assert e.value.param == "structural_tag"
+
+
+@pytest.mark.skipif(not JSB_DIR.is_dir(), reason=f"{JSB_DIR} not present")
+def test_jsonschemabench_is_enforced_or_refused(llg_tokenizer):
+    """Each of the 230 schemas is either given to a backend whose grammar refuses every
+    instance `jsonschema` calls invalid, or refused naming a keyword.
+
+    Measured here (xgrammar 0.2.8, llguidance 1.9.1): auto gives 166 to xgrammar and 18 to
+    llguidance, refuses 46 (not 14, oneOf 11, dependencies 5, propertyNames 5, uniqueItems 5,
+    minProperties 2, contains 2, format 1, patternProperties 1); xgrammar alone refuses 64,
+    llguidance alone 48.
+    """
+    paths = sorted(JSB_DIR.glob("*.json"))
+    results = [audit(p, llg_tokenizer) for p in paths]
+    under = [(r.name, r.backend, r.invalid_accepted) for r in results if r.invalid_accepted]
+    assert not under, f"grammars looser than their schema: {under}"
+    refused = [r for r in results if r.backend is None]
+    for r in refused:
+        assert "cannot be enforced" in r.refusal or "invalid JSON schema" in r.refusal, r.refusal
+    picked = {b: sum(r.backend == b for r in results) for b in ("xgrammar", "llguidance")}
+    judged = sum(r.judged for r in results)
+    over = sum(len(r.valid_rejected) for r in results)
+    print(f"\nauto: {picked} refused {len(refused)}; {judged} instances judged, 0 invalid admitted, "
+          f"{over} valid refused (stricter than the schema)")
+    # auto refuses no more than either backend alone: each schema it refuses, both refuse.
+    for r in refused:
+        for backend in ("xgrammar", "llguidance"):
+            assert audit(JSB_DIR / r.name, llg_tokenizer, backend).backend is None, (r.name, backend)
+    assert len(results) == 230 and picked["xgrammar"] >= 160 and len(refused) <= 46
