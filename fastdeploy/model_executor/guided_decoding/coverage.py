@@ -180,8 +180,11 @@ def _disjoint(a: Any, b: Any) -> bool:
         return True
     if not (isinstance(a, dict) and isinstance(b, dict)):
         return False
-    pa, pb = a.get("properties") or {}, b.get("properties") or {}
-    both = set(a.get("required") or []) & set(b.get("required") or [])
+    pa, pb = a.get("properties"), b.get("properties")
+    ra, rb = a.get("required"), b.get("required")
+    if not (isinstance(pa, dict) and isinstance(pb, dict) and isinstance(ra, list) and isinstance(rb, list)):
+        return False
+    both = {n for n in ra if isinstance(n, str)} & {n for n in rb if isinstance(n, str)}
     for name in both:
         va, vb = _values(pa.get(name)), _values(pb.get(name))
         if va is not None and vb is not None and not any(x == y and _json_type(x) == _json_type(y)
@@ -260,8 +263,9 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
         if k != "properties" and (types is None or not types & admits):
             gap(k, "without a matching `type`")
     if "required" in node:
-        required, listed = node["required"], node.get("properties") or {}
-        if not isinstance(required, list) or any(name not in listed for name in required):
+        required, listed = node["required"], node.get("properties")
+        listed = listed if isinstance(listed, dict) else {}
+        if not isinstance(required, list) or any(not isinstance(n, str) or n not in listed for n in required):
             gap("required", "names a property that `properties` does not list")
     if "pattern" in node:
         for k in ("minLength", "maxLength"):

@@ -63,7 +63,10 @@ def _gaps(spec: GuidedSpec, backend: str) -> tuple[Gap, ...]:
 
 
 def _verdict(spec: GuidedSpec, backend: str) -> _Verdict:
-    gaps = _gaps(spec, backend)
+    try:
+        gaps = _gaps(spec, backend)
+    except (TypeError, AttributeError, ValueError, KeyError) as e:  # a keyword with a value of the wrong shape
+        return _Verdict(backend, (), f"malformed schema ({type(e).__name__}: {e})")
     parse = xgrammar_backend.parse if backend == "xgrammar" else llguidance_backend.parse
     try:
         parse(spec)
