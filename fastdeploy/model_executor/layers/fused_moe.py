@@ -237,6 +237,7 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """`moe.moe_reference` on CUDA: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]."""
+    x = x.contiguous()  # the GEMM walks rows with unit column stride
     tokens, hidden = x.shape
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     n = tokens * top_k

@@ -32,7 +32,7 @@ _INERT = {
 # Per architecture: keys checked for the implemented value (see `_check_*`) or read for it.
 _ARCH_KEYS = {
     "llama": {"mlp_bias", "rope_interleaved"},
-    "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "use_mrope"},
     "qwen3": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3_moe": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "num_experts",
                   "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -43,7 +43,7 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys each rope type reads; "type" is the older spelling of "rope_type".
 _ROPE_KEYS = {
     "default": set(),
-    "linear": {"factor"},
+    "linear": {"factor", "original_max_position_embeddings"},  # transformers ignores the latter here
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
              "mscale_all_dim", "truncate"},
@@ -77,6 +77,8 @@ def _check_keys(cfg: dict, model_type: str) -> None:
         _refuse(model_type, "mlp_bias", cfg["mlp_bias"], "adds MLP biases (not implemented)")
     if cfg.get("rope_interleaved"):
         _refuse(model_type, "rope_interleaved", cfg["rope_interleaved"], "asks for GPT-J style RoPE (not implemented)")
+    if cfg.get("use_mrope"):
+        _refuse(model_type, "use_mrope", cfg["use_mrope"], "asks for multimodal RoPE (not implemented)")
     if cfg.get("use_sliding_window"):
         _refuse(model_type, "use_sliding_window", cfg["use_sliding_window"],
                 "turns on sliding-window attention (not implemented)")
