@@ -17,6 +17,7 @@ Measured on xgrammar 0.2.8 (strict_mode) and llguidance 1.9.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -116,15 +117,28 @@ def _subschemas(node: dict, path: str) -> Iterator[tuple[str, Any]]:
                 yield f"{path}/{key}/{i}", sub
 
 
+_REF_SIBLINGS_IGNORED = ("draft-03", "draft-04", "draft-06", "draft-07")
+
+
+def _ignores_ref_siblings(doc: Any) -> bool:
+    """Drafts 3 to 7 ignore every keyword beside `$ref`; later drafts apply them too."""
+    declared = doc.get("$schema") if isinstance(doc, dict) else None
+    return isinstance(declared, str) and any(d in declared for d in _REF_SIBLINGS_IGNORED)
+
+
 def _walk(doc: Any) -> Iterator[tuple[str, dict]]:
-    """Every schema object reachable from the root, each once, with its JSON pointer."""
+    """Every schema object reachable from the root, each once, with its JSON pointer. Under a
+    draft that ignores the siblings of `$ref`, such an object is seen as its `$ref` alone."""
     seen: set[str] = set()
     stack: list[tuple[str, Any]] = [("", doc)]
+    ref_only = _ignores_ref_siblings(doc)
     while stack:
         path, node = stack.pop()
         if path in seen or not isinstance(node, dict):
             continue
         seen.add(path)
+        if ref_only and "$ref" in node:
+            node = {"$ref": node["$ref"]}  # definitions beside it are reached through references
         yield path, node
         stack.extend(_subschemas(node, path))
         target = _resolve(doc, node["$ref"]) if "$ref" in node else None
@@ -205,6 +219,27 @@ def _deref(doc: Any, node: Any) -> Any:
     return node
 
 
+def _generated_types(doc: Any, branch: Any) -> set[str] | None:
+    """The JSON types xgrammar can generate for `branch`, when it tells (None: any)."""
+    branch = _deref(doc, branch)
+    types = _types(branch)
+    if types is None and isinstance(branch, dict) and isinstance(branch.get("properties"), dict):
+        return {"object"}
+    return types
+
+
+def _branches_within(doc: Any, node: dict, comb: str, types: set[str]) -> bool:
+    branches = [{"$ref": node["$ref"]}] if comb == "$ref" else node.get(comb)
+    if not isinstance(branches, list) or not branches:
+        return False
+    allowed = _widen(types)
+    for b in branches:
+        bt = _generated_types(doc, b)
+        if bt is None or not bt <= allowed:
+            return False
+    return True
+
+
 def _oneof_is_anyof(doc: Any, branches: list) -> bool:
     """oneOf equals anyOf when no two branches can match the same instance."""
     resolved = [_deref(doc, b) for b in branches]
@@ -216,28 +251,89 @@ def _oneof_is_anyof(doc: Any, branches: list) -> bool:
 # Ignored by xgrammar 0.2.8: the grammar admits what the keyword forbids.
 _XGRAMMAR_NEVER = frozenset({
     "not", "if", "then", "else", "contains", "minContains", "maxContains", "unevaluatedItems",
-    "unevaluatedProperties", "dependencies", "dependentRequired", "dependentSchemas", "$dynamicRef",
-    "$recursiveRef", "disallow", "extends", "divisibleBy",
-    # Approximated: unlisted names are refused or admitted regardless of their pattern.
-    "patternProperties", "propertyNames",
+    "unevaluatedProperties", "dependentSchemas", "$dynamicRef", "$recursiveRef", "disallow", "extends",
+    "divisibleBy",
 })
+
+# In strict mode xgrammar generates the listed properties only (patternProperties add none,
+# propertyNames and dependencies are ignored), so these hold when the listed names satisfy them.
+_NAME_RULES = ("patternProperties", "propertyNames", "dependencies", "dependentRequired")
+
+
+def _closed(node: dict) -> bool:
+    """xgrammar (strict mode) generates no property that `properties` does not list."""
+    return node.get("additionalProperties", False) is False
+
+
+def _matches(pattern: Any, name: str) -> bool | None:
+    try:
+        return re.search(pattern, name) is not None
+    except (re.error, TypeError):
+        return None
+
+
+def _name_ok(rule: Any, name: str) -> bool:
+    """`name` satisfies a propertyNames schema made of the keywords checked here (else False)."""
+    if rule is True or rule == {}:
+        return True
+    if not isinstance(rule, dict) or set(rule) - {"pattern", "minLength", "maxLength", "enum", "const", "type",
+                                                     "description", "title"}:
+        return False
+    return (rule.get("type", "string") == "string"
+            and ("pattern" not in rule or _matches(rule["pattern"], name) is True)
+            and len(name) >= rule.get("minLength", 0) and len(name) <= rule.get("maxLength", len(name))
+            and ("enum" not in rule or name in rule["enum"]) and ("const" not in rule or name == rule["const"]))
+
+
+def _name_rule_gap(node: dict, keyword: str) -> str | None:
+    """Why `keyword` (one of _NAME_RULES) is not enforced here, or None when the listed properties
+    satisfy it and nothing else can be generated."""
+    listed = node.get("properties")
+    listed = listed if isinstance(listed, dict) else {}
+    if not _closed(node):
+        return "beside additional properties"
+    value = node[keyword]
+    if keyword == "patternProperties":
+        if not isinstance(value, dict):
+            return "malformed"
+        for pattern in value:
+            hits = [_matches(pattern, name) for name in listed]
+            if None in hits or any(hits):
+                return "a listed property matches the pattern"
+        return None
+    if keyword == "propertyNames":
+        return None if all(_name_ok(value, name) for name in listed) else "a listed name may break it"
+    # dependencies / dependentRequired: a listed, optional trigger could appear without its dependants.
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if not isinstance(value, dict):
+        return "malformed"
+    for trigger, needs in value.items():
+        if trigger not in listed:
+            continue  # never generated
+        if not isinstance(needs, list) or any(n not in required for n in needs):
+            return "a listed property's dependants are optional"
+    return None
 
 
 def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
     keys = [k for k in node if k in CONSTRAINTS]
     gaps = [Gap(k, path) for k in keys if k in _XGRAMMAR_NEVER]
     types = _types({"type": node["type"]}) if "type" in node else None
+    if types is None and isinstance(node.get("properties"), dict):
+        types = {"object"}  # xgrammar generates an object for `properties` without `type`
 
     def gap(keyword: str, why: str) -> None:
         if all(g.keyword != keyword for g in gaps):
             gaps.append(Gap(keyword, path, why))
 
-    # Beside a combinator or $ref, xgrammar compiles the combinator alone and drops the rest.
+    # Beside a combinator or $ref, xgrammar compiles the combinator alone and drops the rest;
+    # a dropped `type` is harmless when every branch admits only types it allows.
     for comb in _COMBINATORS:
         if comb in node:
             for k in keys:
-                if k != comb:
-                    gap(k, f"beside `{comb}`")
+                if k == comb or (k == "type" and types is not None and _branches_within(doc, node, comb, types)):
+                    continue
+                gap(k, f"beside `{comb}`")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         gap("allOf", "more than one branch")
     if isinstance(node.get("oneOf"), list) and not _oneof_is_anyof(doc, node["oneOf"]):
@@ -253,6 +349,11 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
             values = _values(node) or []
             if types is not None and any(not ({_json_type(v)} & _widen(types)) for v in values):
                 gap(lit, "a value outside `type`")
+    for k in keys:
+        if k in _NAME_RULES:
+            why = _name_rule_gap(node, k)
+            if why is not None:
+                gap(k, why)
     for k in keys:
         owner = _TYPE_OF.get(k)
         if owner is None or k in _XGRAMMAR_NEVER:
@@ -276,7 +377,8 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
     for k in ("exclusiveMinimum", "exclusiveMaximum"):
         if isinstance(node.get(k), bool):
             gap(k, "draft-4 boolean form")
-    if node.get("uniqueItems") is True:
+    max_items = node.get("maxItems")
+    if node.get("uniqueItems") is True and not (isinstance(max_items, int) and max_items <= 1):
         gap("uniqueItems", "")
     if isinstance(node.get("items"), list):
         gap("items", "draft-4 array form")

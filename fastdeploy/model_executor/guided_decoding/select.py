@@ -100,19 +100,28 @@ def _refusal(spec: GuidedSpec, verdicts: list[_Verdict]) -> str:
             "or set `guided_best_effort: true` to accept such output")
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=128)  # keys hold whole schemas: keep it small
 def choose_backend(spec: GuidedSpec, setting: str) -> str:
     """The backend that compiles `spec` under `--guided-decoding-backend setting`.
 
-    The first of the candidates (xgrammar, llguidance under "auto") that enforces the whole
-    spec; with `spec.best_effort`, else the one that can take it with the fewest gaps.
+    The first of the candidates (under "auto": xgrammar, then llguidance for JSON schemas)
+    that enforces the whole spec; with `spec.best_effort`, else the one that can take it
+    with the fewest gaps.
     Raises ParameterError naming the field and, for an unenforceable schema, the keyword.
     """
     if setting not in BACKEND_NAMES and setting != "auto":
         raise ParameterError(f"structured output is disabled on this server (--guided-decoding-backend {setting})",
                              spec_param(spec))
+    if setting != "auto":
+        candidates: tuple[str, ...] = (setting,)
+    elif spec.kind == "json_schema":
+        candidates = BACKEND_NAMES
+    else:
+        # Regex, EBNF and structural tags are written in xgrammar's dialects, and both backends
+        # enforce the other kinds exactly: no second opinion on a spec xgrammar calls invalid.
+        candidates = ("xgrammar",)
     verdicts = []
-    for backend in BACKEND_NAMES if setting == "auto" else (setting,):
+    for backend in candidates:
         verdict = _verdict(spec, backend)
         if verdict.exact:
             return backend
