@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the host, phase by phase, with the sampling mask on vs off.
 
     python benchmarks/step_phases.py [--device cpu|cuda] [--model embedded|PATH --load-format dummy
-        --dtype bfloat16] [--batches 8 64] [--steps 40] [--reps 3]
+        --dtype bfloat16] [--batches 8 64] [--steps 40] [--reps 3] [--mask-format ids|bitmap]
 
 One in-process engine started with --enable-keep-sampling-mask decodes a batch of requests
 that ask for the mask, then one whose requests opt out, alternating, --reps times each.
@@ -50,7 +50,7 @@ TAIL_STEPS = 2
 
 def phase_targets() -> list[tuple[object, str, str]]:
     """(owner, attribute, phase label): the functions timed, engine side first."""
-    from fastdeploy.model_executor.layers.sample import kept_set_gpu
+    from fastdeploy.model_executor.layers.sample import kept_set_gpu, sampler
     from fastdeploy.output import token_processor
     from fastdeploy.scheduler import scheduler
     from fastdeploy.worker import model_runner, step_output
@@ -67,6 +67,8 @@ def phase_targets() -> list[tuple[object, str, str]]:
         (model_runner.ModelRunner, "_sampling_metadata", "worker: sampling metadata"),
         (model_runner.Sampler, "__call__", "worker: sampler"),
         (kept_set_gpu, "fill_sampling_mask_dense", "worker: sampler: mask fill (CUDA)"),
+        (sampler, "pack_bits", "worker: sampler: pack bitmaps"),
+        (token_processor, "bitmap_rows", "engine: token processor: bitmap rows"),
         (model_runner, "_step_slots", "worker: slot layout"),
         (model_runner, "pack_step_slots_tensor", "worker: pack (wait frame)"),
         (model_runner, "pack_step_slots_split", "worker: pack split (wait head)"),
@@ -107,13 +109,16 @@ def _timed(fn: Callable, label: str, totals: dict[str, float]) -> Callable:
 COLLECTOR = CollectorWatch()
 
 
+MASK_FORMAT = "ids"  # the masked runs' sampling_mask_format (--mask-format)
+
+
 def add_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> None:
     """Adds `batch` requests of 16 random prompt tokens that decode `steps` steady steps."""
     from fastdeploy.engine.request import EngineRequest
     from fastdeploy.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=1.0, top_p=top_p,
-                            ignore_eos=True, return_sampling_mask=mask)
+                            ignore_eos=True, return_sampling_mask=mask, sampling_mask_format=MASK_FORMAT)
     g = torch.Generator().manual_seed(seed)
     for i in range(batch):
         prompt = torch.randint(100, 30000, (16,), generator=g).tolist()
@@ -230,6 +235,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device-timeline", action="store_true",
                     help="CUDA: also profile one run per side and batch on the device's timeline")
+    ap.add_argument("--mask-format", choices=["ids", "bitmap"], default="ids",
+                    help="the wire format the masked runs ask for")
     ap.add_argument("--name", default=None, help="result file stem (default step_phases_<device>)")
     args = ap.parse_args()
 
@@ -238,6 +245,8 @@ def main() -> None:
     from fastdeploy.engine.executor import InProcessExecutor
     from fastdeploy.startup_heap import settle_collector
 
+    global MASK_FORMAT
+    MASK_FORMAT = args.mask_format
     device = torch.device(args.device)
     info, _ = machine_with_device(device, args.threads)
     max_b = max(args.batches)
