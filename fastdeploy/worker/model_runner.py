@@ -266,6 +266,7 @@ class ModelRunner:
                                                  np.ndarray | None]:
             slots = _step_slots(step.message_id, seq_ids, slot_drafts, output)
             pending = None
+            bits = _bitmaps_to_host(slots.mask_bits) if slots.mask_bits is not None else None
             if slots.has_mask and slots.token_ids.is_cuda and not drafts:
                 # The head of the frame comes back first; the mask ids (most of a masked frame's
                 # bytes) cross PCIe later, on a copy engine, beside the next step's kernels.
@@ -280,8 +281,6 @@ class ModelRunner:
                 # The step's one synchronisation: the packer's copy of the frame to the host.
                 packed = pack_step_slots_tensor(slots)
                 frame = unpack_step_frame_op(packed)
-            # After the frame's head: the bitmaps are written by then, so this copy does not wait.
-            bits = slots.mask_bits.cpu().numpy() if slots.mask_bits is not None else None
             return packed, frame, frame.token_ids.tolist(), pending, bits
 
         sampled = self.sampler(logits, metadata, settle_kept_sets=False)
@@ -588,6 +587,17 @@ def _token_range(state: WorkerSequence, start: int, end: int) -> list[int]:
     if start >= n:
         return output[start - n:end - n]
     return prompt[start:end] + output[:max(0, end - n)]
+
+
+def _bitmaps_to_host(bits: torch.Tensor) -> np.ndarray:
+    """The step's bitmaps on the host. On CUDA the copy is queued into pinned memory ahead of the
+    frame's head, so the head's one wait covers it: a blocking copy after the head would be a
+    second synchronisation in the step."""
+    if not bits.is_cuda:
+        return bits.numpy()
+    host = torch.empty(bits.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(bits, non_blocking=True)
+    return host.numpy()
 
 
 def _step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]], out: SamplerOutput) -> StepSlots:

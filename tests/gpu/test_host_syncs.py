@@ -78,3 +78,12 @@ def test_sampling_mask_decode_step_synchronises_once(llm_with_masks):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3)
     steps = _decode_syncs(llm_with_masks, params)
     assert all(s.total == 1 for s in steps), _report(steps)
+
+
+def test_bitmap_mask_decode_step_synchronises_once(llm_with_masks):
+    """Bitmaps are packed on the device with no host-made tensor, and their copy is queued ahead
+    of the frame's head, so the head's wait is still the step's only one."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3,
+                            sampling_mask_format="bitmap")
+    steps = _decode_syncs(llm_with_masks, params)
+    assert all(s.total == 1 for s in steps), _report(steps)
