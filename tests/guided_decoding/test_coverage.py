@@ -39,7 +39,7 @@ KNOWN = {
         {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
         {"a": "x"}, {"a": "x", "b": 1}, "llguidance"),
     "oneOf overlapping": (
-        {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, 1, -2.5, "oneOf"),
+        {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, 1, 2.5, "oneOf"),
     "allOf with enum": (
         {"allOf": [{"type": "string", "enum": ["a", "b", "c"]}, {"enum": ["b", "c", "d"]}]}, "a", "b", "llguidance"),
     "not": (
@@ -95,7 +95,8 @@ XGRAMMAR_LOOSE = [
     ({"type": "integer", "enum": [1, "x"]}, "x", "enum"),
     ({"minimum": 3}, 1, "minimum"),
     ({"required": ["a"]}, {}, "required"),
-    ({"type": "object", "properties": {"a": {}}, "dependencies": {"a": ["b"]}}, {"a": 1}, "dependencies"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"a": {}},
+      "dependencies": {"a": ["b"]}}, {"a": 1}, "dependencies"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "uniqueItems"),
     ({"allOf": [{"type": "integer"}, {"maximum": 3}]}, 5, "allOf"),
     ({"type": "object", "properties": {"ab": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}},
@@ -103,7 +104,7 @@ XGRAMMAR_LOOSE = [
     ({"type": "object", "properties": {"b": {"type": "integer"}}, "propertyNames": {"pattern": "^a"}}, {"b": 1},
      "propertyNames"),
     ({"$schema": "https://json-schema.org/draft/2020-12/schema", "$ref": "#/$defs/a", "maxItems": 1,
-      "$defs": {"a": {"type": "array"}}}, [1, 2], "maxItems"),
+      "$defs": {"a": {"type": "array", "items": {"type": "integer"}}}}, [1, 2], "maxItems"),
 ]
 
 
@@ -148,7 +149,8 @@ XGRAMMAR_EXACT = [
      [{"x": 1}, {"x": "1"}, {"ab": "s"}]),
     ({"type": "object", "properties": {"ab": {"type": "integer"}}, "propertyNames": {"pattern": "^a", "maxLength": 3}},
      [{"ab": 1}, {"b": 1}, {"abcd": 1}]),
-    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["b"],
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["b"],
       "dependencies": {"a": ["b"], "zz": ["q"]}}, [{"a": 1, "b": 2}, {"a": 1}, {"b": 1}]),
     ({"$schema": "http://json-schema.org/draft-04/schema#", "$ref": "#/definitions/a", "maxItems": 1,
       "definitions": {"a": {"type": "array", "items": {"type": "integer"}}}}, [[1, 2], ["x"]]),

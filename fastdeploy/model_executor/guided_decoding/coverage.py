@@ -53,8 +53,9 @@ _TYPE_OF = {
 
 # Where subschemas live: {name: schema}, one schema, or [schema, ...].
 _SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# `propertyNames` is left out: its schema judges names, not generated values (see _name_rule_gap).
 _SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
-            "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+            "unevaluatedItems", "unevaluatedProperties")
 _SUB_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref")
 

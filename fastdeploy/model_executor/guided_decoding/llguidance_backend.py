@@ -83,7 +83,13 @@ def grammar_text(spec: GuidedSpec) -> str:
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    """llguidance's message without its source excerpt: the first line, plus the "error:" line
+    of a regex parse error."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    if not lines:
+        return "invalid grammar"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return f"{lines[0].rstrip(':')}: {detail[len('error:'):].strip()}" if detail else lines[0]
 
 
 def parse(spec: GuidedSpec) -> str:
