@@ -27,7 +27,7 @@ def too_large(size: int, limit: int) -> APIError:
 
 def deeper_than(value: Any, limit: int) -> bool:
     """Whether objects and arrays nest more than `limit` levels in `value` (iterative: no recursion limit)."""
-    stack = [(value, 1)]
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:
         node, depth = stack.pop()
         children = node.values() if isinstance(node, dict) else node
@@ -46,8 +46,7 @@ def json_error(body: bytes, max_depth: int) -> APIError | None:
         return APIError(400, f"the request body is not valid JSON: {exc}{hint}", "invalid_request_error", None,
                         "invalid_json")
     # Counting brackets is a bound on the depth that costs no Python per byte.
-    if body.count(b"[") + body.count(b"{") > max_depth and isinstance(value, (dict, list)) \
-            and deeper_than(value, max_depth):
+    if body.count(b"[") + body.count(b"{") > max_depth and deeper_than(value, max_depth):
         return APIError(400, f"the request body nests objects and arrays more than {max_depth} levels deep "
                              "(--max-json-depth)", "invalid_request_error", None, "json_too_deep")
     return None

@@ -1,0 +1,176 @@
+"""Properties of the API server's request checks, over generated input (no server, no model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from fastdeploy.engine.errors import ParameterError
+from fastdeploy.engine.limits import EngineLimits
+from fastdeploy.entrypoints.openai.body_guard import deeper_than, json_error
+from fastdeploy.entrypoints.openai.errors import APIError, validation_message
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy.entrypoints.openai.request_limits import INT64_MAX, INT64_MIN
+from fastdeploy.entrypoints.openai.validation import check_context, external_ref
+from fastdeploy.ipc import make_ipc_dir
+
+SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# Text as clients send it: any character, and UTF-16 surrogates alone or in pairs (escaped in JSON).
+texts = st.text(alphabet=st.characters(exclude_categories=()) | st.sampled_from(["\ud800", "\udfff", "\ud83d"]))
+unicode_texts = st.text(alphabet=st.characters(exclude_categories=("Cs",)))
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) \
+    | st.floats(allow_nan=False, allow_infinity=False) | unicode_texts
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(unicode_texts.filter(lambda k: len(k) <= 8), inner, max_size=4),
+                           max_leaves=40)
+
+
+def depth(value: Any) -> int:
+    """Reference: nesting depth of objects and arrays, recursively."""
+    if isinstance(value, dict):
+        return 1 + max((depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((depth(v) for v in value), default=0)
+    return 0
+
+
+@SETTINGS
+@given(json_values, st.integers(1, 8))
+def test_depth_check_agrees_with_the_recursive_definition(value, limit):
+    assert deeper_than(value, limit) == (depth(value) > limit)
+    body = json.dumps(value).encode()
+    error = json_error(body, limit)
+    assert (error is None) == (depth(value) <= limit)
+    if error is not None:
+        assert error.status == 400 and error.code == "json_too_deep"
+
+
+def lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+@SETTINGS
+@given(texts)
+def test_strings_pass_the_body_check_exactly_when_they_are_unicode(text):
+    """json.dumps escapes surrogates as \\udxxx; a pair decodes to one character, a lone one to no
+    character at all, which the strict parser refuses (the tokenizer raised on it: a 500)."""
+    body = json.dumps({"prompt": text}).encode()
+    error = json_error(body, 64)
+    assert (error is not None) == lone_surrogate(json.loads(body)["prompt"])
+    if error is not None:
+        assert error.status == 400 and "JSON" in error.message
+
+
+@SETTINGS
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_are_json_or_a_400(raw):
+    error = json_error(raw, 64)
+    assert error is None or (error.status == 400 and error.message)
+
+
+FIELDS = ["prompt", "messages", "n", "best_of", "seed", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "top_k", "min_p", "logprobs", "top_logprobs", "stop", "stop_token_ids", "logit_bias",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "sampling_mask_format", "response_format",
+          "guided_json", "guided_regex", "guided_choice"]
+interesting_ints = st.sampled_from([0, 1, -1, 16, 17, INT64_MAX, INT64_MAX + 1, INT64_MIN, INT64_MIN - 1, 2**64,
+                                    2**100]) | st.integers()
+field_values = json_values | interesting_ints | st.lists(interesting_ints, max_size=3) \
+    | st.dictionaries(st.sampled_from(["0", "1", "-1", "abc", "99999999999999999999", "type"]),
+                      json_scalars | st.sampled_from(["json_object", "text", "xml"]), max_size=3)
+bodies = st.fixed_dictionaries({"prompt": st.just("Hi") | field_values},
+                              optional={f: field_values for f in FIELDS if f != "prompt"})
+
+
+@SETTINGS
+@given(bodies, st.sampled_from([CompletionRequest, ChatCompletionRequest]))
+def test_any_body_is_accepted_and_encodable_or_refused_naming_a_field(body, model):
+    """What pydantic accepts either maps to parameters the engine's msgpack can carry, or fails
+    with ParameterError (a 400); what it refuses has a message and names a field of the body.
+    (A seed beyond 64 bits used to pass here and fail in the encoder: a 500.)"""
+    if model is ChatCompletionRequest:
+        body = {**body, "messages": body.get("messages", [{"role": "user", "content": "Hi"}])}
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors(include_url=False))
+        assert message and (param is None or param in body), (message, param)
+        return
+    try:
+        params = request.to_sampling_params()
+    except ParameterError:
+        return
+    for i in range(params.n):
+        msgspec.msgpack.encode(params.for_choice(i))
+
+
+LIMITS = EngineLimits(max_model_len=1024, vocab_size=49152, max_logprobs=20, enable_keep_sampling_mask=False,
+                      kv_capacity_tokens=32768)
+
+
+@SETTINGS
+@given(st.integers(0, 3000), st.none() | st.integers(1, 2**63))
+def test_context_check_refuses_exactly_what_cannot_fit(num_prompt, max_tokens):
+    fits = max_tokens is None or num_prompt + max_tokens <= LIMITS.max_model_len
+    try:
+        check_context(num_prompt, max_tokens, LIMITS, "max_tokens", "messages")
+    except APIError as exc:
+        assert not fits and 0 < num_prompt < LIMITS.max_model_len
+        assert exc.status == 400 and exc.param == "max_tokens" and exc.code == "context_length_exceeded"
+        assert f"{LIMITS.max_model_len} tokens" in exc.message and f"{num_prompt + max_tokens} tokens" in exc.message
+        assert f"{num_prompt} in the messages, {max_tokens} in the completion" in exc.message
+    else:
+        # A prompt with no room at all is left to EngineLimits.validate, which names the prompt.
+        assert fits or not 0 < num_prompt < LIMITS.max_model_len
+
+
+refs = st.sampled_from(["#/$defs/a", "#", "file:///etc/passwd", "http://h/s.json", "s.json#/x", "", "//h/x"])
+schemas = st.recursive(st.fixed_dictionaries({"type": st.just("string")})
+                       | st.builds(lambda r: {"$ref": r}, refs),
+                       lambda inner: st.builds(lambda props: {"type": "object", "properties": props},
+                                               st.dictionaries(st.text(max_size=4), inner, max_size=3))
+                       | st.builds(lambda items: {"anyOf": items}, st.lists(inner, max_size=3)), max_leaves=12)
+
+
+def refs_in(schema: Any) -> list[str]:
+    if isinstance(schema, dict):
+        own = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+        return own + [r for v in schema.values() for r in refs_in(v)]
+    if isinstance(schema, list):
+        return [r for v in schema for r in refs_in(v)]
+    return []
+
+
+@SETTINGS
+@given(schemas)
+def test_external_refs_are_found_wherever_they_are(schema):
+    outside = [r for r in refs_in(schema) if not r.startswith("#")]
+    found = external_ref(schema)
+    assert (found is None) == (not outside)
+    assert found is None or found in outside
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
+def test_ipc_directory_is_private_whatever_the_umask(umask):
+    old = os.umask(umask)
+    try:
+        path = make_ipc_dir()
+    finally:
+        os.umask(old)
+    try:
+        info = os.stat(path)
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    finally:
+        os.rmdir(path)
