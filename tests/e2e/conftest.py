@@ -85,6 +85,12 @@ def server(server_launcher):
 
 
 @pytest.fixture(scope="package")
+def spec_server(server_launcher):
+    """ngram drafts, 4 a step, with sampling masks: test_soak.py and test_speculative.py."""
+    yield from server_launcher.serve("spec_server")
+
+
+@pytest.fixture(scope="package")
 def client(server):
     return server.openai_client()
 

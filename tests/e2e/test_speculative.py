@@ -9,12 +9,6 @@ from tests.e2e.server import RunningServer
 RECORD = '{"name": "Alice Smith", "age": 30, "city": "Paris", "tags": ["admin", "editor"], "active": true}'
 
 
-@pytest.fixture(scope="module")
-def spec_server(server_launcher):
-    """ngram drafts, 4 a step, with sampling masks (its arguments: conftest.py, SERVERS)."""
-    yield from server_launcher.serve("spec_server")
-
-
 def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(spec_server, client):
     spec_client = spec_server.openai_client()
     messages = [{"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]
