@@ -60,9 +60,9 @@ def llguidance_schemas(n: int) -> list[tuple[str, dict]]:
 
 @pytest.mark.skipif(not JSB_DIR.is_dir(), reason=f"{JSB_DIR} not present")
 def test_llguidance_outputs_validate(llm):
-    cases = llguidance_schemas(6)
+    cases = llguidance_schemas(3)
     specs = [GuidedSpec("json_schema", json.dumps(schema)) for _, schema in cases]
-    params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i, max_tokens=192, guided=spec)
+    params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i, max_tokens=128, guided=spec)
               for i, spec in enumerate(specs)]
     outs = llm.chat([ask(schema) for _, schema in cases], params)
     finished = 0
@@ -74,25 +74,27 @@ def test_llguidance_outputs_validate(llm):
         else:
             assert o.finish_reason == "length", (name, o.finish_reason)
     print(f"\nllguidance: {finished}/{len(cases)} finished, all valid")
-    assert finished >= len(cases) // 2
+    assert finished >= 2
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_compact_json_has_no_whitespace_outside_strings(llm, backend):
-    params = [SamplingParams(temperature=0.6, seed=3, max_tokens=96,
-                             guided=GuidedSpec(kind, value, disable_any_whitespace=compact, backend=backend))
+def test_compact_json_has_no_whitespace_outside_strings(llm):
+    """Both backends, a schema and JSON-object mode; the whitespace the default admits is
+    tested token by token in test_matcher.py."""
+    params = [SamplingParams(temperature=0.6, seed=3, max_tokens=64,
+                             guided=GuidedSpec(kind, value, disable_any_whitespace=True, backend=backend))
               for kind, value in (("json_schema", json.dumps(PERSON)), ("json_object", ""))
-              for compact in (True, None)]
+              for backend in ("xgrammar", "llguidance")]
     outs = llm.chat([ask(PERSON)] * len(params), params)
+    finished = 0
     for p, out in zip(params, outs):
         o = out.outputs[0]
-        if o.finish_reason != "stop":
-            continue
-        value = json.loads(o.text)
-        if p.guided.kind == "json_schema":
-            jsonschema.validate(value, PERSON)
-        if p.guided.disable_any_whitespace:
-            assert not whitespace_outside_strings(o.text), o.text
+        assert not whitespace_outside_strings(o.text), (p.guided.backend, o.text)
+        if o.finish_reason == "stop":
+            finished += 1
+            value = json.loads(o.text)
+            if p.guided.kind == "json_schema":
+                jsonschema.validate(value, PERSON)
+    assert finished >= 2
 
 
 def test_offline_refusal_names_the_keyword(llm):
