@@ -19,15 +19,17 @@ VOCAB = 253
 
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
-def model_dir(request, tmp_path_factory) -> str:
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
     # An odd vocabulary: padding on the last rank.
-    path = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen2":
-        return save_random_qwen2(path, vocab_size=VOCAB)
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2"), vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
     # Experts split along their intermediate dim; o_proj's bias added once, after the all-reduce.
-    return save_random_hf_model(path, "qwen3_moe", VOCAB, num_hidden_layers=3, mlp_only_layers=[1],
-                                attention_bias=True)
+    return save_random_hf_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", VOCAB, num_hidden_layers=3,
+                                mlp_only_layers=[1], attention_bias=True)
 
 
 def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False) -> list:
@@ -66,11 +68,21 @@ def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir, worker_
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
 
 
+def test_two_ranks_of_a_moe_model_give_the_tokens_of_one(moe_dir):
+    single = _generate(moe_dir, 1)
+    split = _generate(moe_dir, 2)
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_two_gpus_give_the_greedy_tokens_of_one(model_dir):
-    single = _generate(model_dir, 1, device="cuda")
-    split = _generate(model_dir, 2, device="cuda")
+@pytest.mark.parametrize("which", ["model_dir", "moe_dir"])
+def test_two_gpus_give_the_greedy_tokens_of_one(request, which):
+    path = request.getfixturevalue(which)  # Qwen2, and Qwen3-MoE through the fused MoE
+    single = _generate(path, 1, device="cuda")
+    split = _generate(path, 2, device="cuda")
     for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-3, rtol=1e-3)
