@@ -85,6 +85,8 @@ class CacheConfig:
     # CUDA only: fraction of the device's memory the worker may hold in all (weights,
     # activation peak, KV pool); the pool gets what is left. Ignored when num_blocks is set.
     gpu_memory_utilization: float = 0.9
+    # Full blocks are shared between sequences with the same prefix (`scheduler/prefix_hash.py`).
+    enable_prefix_caching: bool = True
 
 
 @dataclass

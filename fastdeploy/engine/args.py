@@ -28,6 +28,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory_mb: int = 512
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False
     sampling_mask_format: str = "ids"
@@ -64,6 +65,7 @@ class EngineArgs:
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024 * 1024,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -106,6 +108,10 @@ class EngineArgs:
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                             help="CUDA: fraction of GPU memory for weights, activations and the KV pool; "
                                  "the pool takes what the weights and the profiled activation peak leave")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=d.enable_prefix_caching,
+                            help="share the K/V of full blocks between requests with the same prefix (on by "
+                                 "default; --no-enable-prefix-caching recomputes every prompt)")
         parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                             help="largest top_logprobs / logprobs a request may ask for")
         parser.add_argument("--enable-keep-sampling-mask", "--enable_keep_sampling_mask",

@@ -46,6 +46,8 @@ class AsyncEngineClient:
         self.num_waiting = 0
         self.kv_usage = 0.0
         self.spec_decode: SpecDecodeStats | None = None
+        self.prefix_cache_queries = 0  # tokens since start
+        self.prefix_cache_hits = 0
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
@@ -93,6 +95,8 @@ class AsyncEngineClient:
                     self.num_running, self.num_waiting = message.num_running, message.num_waiting
                     self.kv_usage = message.kv_usage
                     self.spec_decode = message.spec_decode
+                    self.prefix_cache_queries = message.prefix_cache_queries
+                    self.prefix_cache_hits = message.prefix_cache_hits
                     for delta in message.deltas:
                         queue = self._queues.get(delta.request_id)
                         if queue is not None:

@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 
-from fastdeploy.config import EngineConfig
+from fastdeploy.config import EngineConfig, resolve_dtype
 from fastdeploy.engine.executor import Executor
 from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.engine.sampling_params import ParameterError
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
+from fastdeploy.scheduler.prefix_hash import root_hash
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.spec_decode.stats import SpecDecodeStats
 from fastdeploy.worker.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
 from fastdeploy.worker.step_output import StepOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -42,12 +46,19 @@ class EngineCore:
         self.executor = executor
         info = executor.info
         self.max_model_len = min(config.scheduler.max_model_len, info.max_position_embeddings)
-        self.block_manager = BlockManager(info.num_blocks, info.block_size)
         spec = config.speculative
+        caching = config.cache.enable_prefix_caching
+        if caching and spec is not None and spec.method == "mtp":
+            # The MTP head keeps K/V of its own in the same blocks, written from the target's
+            # hidden states, which a cached prefix never computes: no sharing with MTP.
+            logger.info("prefix caching is off: MTP speculative decoding keeps its own K/V per block")
+            caching = False
+        self.block_manager = BlockManager(info.num_blocks, info.block_size, enable_prefix_caching=caching)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
                                    num_draft_model_slots=spec.num_speculative_tokens + 1 if spec and spec.method == "mtp"
-                                   else 0)
+                                   else 0,
+                                   prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 GRAMMAR_POLL_MS = 5
 GAUGE_INTERVAL_S = 1.0
+STATS_LOG_INTERVAL_S = 10.0  # the engine's stats line while it has work
 
 
 def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int) -> None:
@@ -72,6 +73,7 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
            client_pid: int, stopping) -> None:
     decoder = msgspec.msgpack.Decoder(EngineInput)
     last_sent = 0.0
+    last_logged = time.monotonic()
     while not stopping():
         deltas: list[RequestDelta] = []
         # Sequences that only wait for a grammar compile need a poll now and then, not a spin.
@@ -102,10 +104,23 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
                 dead_message = str(exc)
         now = time.monotonic()
         if deltas or now - last_sent > GAUGE_INTERVAL_S:
-            outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, core.block_manager.usage,
-                                    core.spec_stats if core.config.speculative is not None else None)
+            blocks = core.block_manager
+            outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, blocks.usage,
+                                    core.spec_stats if core.config.speculative is not None else None,
+                                    blocks.query_tokens, blocks.hit_tokens)
             out_sock.send(encoder.encode(outputs))
             last_sent = now
         if dead_message is not None:
             out_sock.send(encoder.encode(EngineDead(dead_message)))
             return
+        if core.has_work() and now - last_logged > STATS_LOG_INTERVAL_S:
+            _log_stats(core)
+            last_logged = now
+
+
+def _log_stats(core: EngineCore) -> None:
+    blocks = core.block_manager
+    hit_rate = f"{100 * blocks.hit_tokens / blocks.query_tokens:.1f}%" if blocks.query_tokens else "-"
+    logger.info("running %d, waiting %d, KV blocks in use %.1f%%, prefix cache hit rate %s (%d of %d tokens)",
+                core.num_running, core.num_waiting, 100 * blocks.usage, hit_rate, blocks.hit_tokens,
+                blocks.query_tokens)

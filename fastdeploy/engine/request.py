@@ -65,6 +65,9 @@ class EngineOutputs(msgspec.Struct, array_like=True, tag=True):
     num_waiting: int = 0
     kv_usage: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # totals since start; None without speculative decoding
+    # Prefix caching, tokens since start: looked up at admission, and found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag=True):

@@ -6,7 +6,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from fastdeploy.config import SchedulerConfig
-from fastdeploy.scheduler.block_manager import BlockManager
+from fastdeploy.scheduler.block_manager import BlockManager, blocks_needed
+from fastdeploy.scheduler.prefix_hash import extend_block_hashes
 from fastdeploy.scheduler.sequence import Sequence, SeqStatus
 
 
@@ -34,9 +35,10 @@ class SchedulerStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
-                 num_draft_model_slots: int = 0) -> None:
+                 num_draft_model_slots: int = 0, prefix_root: bytes = b"") -> None:
         self.config = config
         self.block_manager = block_manager
+        self.prefix_root = prefix_root  # the start of every prefix hash chain (model, dtype)
         self.num_lookahead_slots = num_lookahead_slots  # draft tokens per decode step (speculative decoding)
         # A draft model with its own K/V (MTP) also writes past the accepted tokens while
         # drafting for the next step: this many more slots after every sampling chunk.
@@ -66,6 +68,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.block_ids)
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -110,19 +113,38 @@ class Scheduler:
 
         # New work only when nothing had to be preempted, so admission cannot thrash.
         # Sequences whose grammar still compiles are passed over, not waited for.
+        caching = self.block_manager.enable_prefix_caching
+        computing = self._uncached_running_blocks() if caching and self.waiting else set()
         for seq in list(self.waiting):
             if preempted or budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not seq.grammar_ready:
                 continue
-            num = min(seq.num_uncomputed_tokens, budget)
+            cached: list[int] = []
+            if caching:
+                self._hash_full_blocks(seq)
+                # At least the last known token is computed: it gives the logits to sample from.
+                hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_manager.block_size]
+                cached = self.block_manager.cached_blocks(hashes)
+                if len(cached) < len(hashes) and hashes[len(cached)] in computing:
+                    # Another sequence is computing the rest of this prefix right now (an n > 1
+                    # group, a burst of one prompt): wait for its blocks instead of redoing them.
+                    continue
             # Admit only with room for the whole known sequence plus its next token,
             # so a fresh admission does not immediately force a preemption.
-            if not self.block_manager.can_grow([], seq.num_tokens + 1):
+            need = blocks_needed(seq.num_tokens + 1, self.block_manager.block_size) - len(cached)
+            if need > self.block_manager.num_free_blocks - self.block_manager.num_reclaimed(cached):
                 break
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if caching:
+                self.block_manager.record_lookup(len(hashes), len(cached))
+                self.block_manager.share(seq.block_ids, cached)
+                seq.num_registered_blocks = len(cached)
+                seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+                computing.update(seq.block_hashes[len(cached):])
+            num = min(seq.num_uncomputed_tokens, budget)
             self.block_manager.grow(seq.block_ids, seq.num_computed_tokens + num)
             chunk = _chunk(seq, num)
             if chunk.samples:
@@ -157,3 +179,25 @@ class Scheduler:
     def on_step_done(self, step: SchedulerStep) -> None:
         for chunk in step.chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if self.block_manager.enable_prefix_caching:
+                self.register_computed_blocks(chunk.seq)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Put the sequence's full blocks whose K/V is all computed into the prefix cache."""
+        full = min(seq.num_computed_tokens // self.block_manager.block_size, len(seq.block_ids))
+        if full <= seq.num_registered_blocks:
+            return
+        self._hash_full_blocks(seq)
+        for i in range(seq.num_registered_blocks, min(full, len(seq.block_hashes))):
+            self.block_manager.register(seq.block_ids[i], seq.block_hashes[i])
+            seq.num_registered_blocks = i + 1
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_manager.block_size, self.prefix_root)
+
+    def _uncached_running_blocks(self) -> set[bytes]:
+        """Prefix hashes of running sequences' full blocks that are not in the cache yet."""
+        pending: set[bytes] = set()
+        for seq in self.running:
+            pending.update(seq.block_hashes[seq.num_registered_blocks:])
+        return pending

@@ -31,6 +31,10 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prefix caching: the prefix hashes of this sequence's full blocks of known tokens
+    # (`prefix_hash.py`), and how many of its blocks are registered in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +43,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)

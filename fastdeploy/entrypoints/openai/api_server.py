@@ -131,6 +131,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         metrics.waiting.set(client.num_waiting)
         metrics.kv_usage.set(client.kv_usage)
         metrics.update_spec_decode(client.spec_decode)
+        metrics.update_prefix_cache(client.prefix_cache_queries, client.prefix_cache_hits)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

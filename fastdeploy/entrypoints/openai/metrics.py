@@ -32,8 +32,19 @@ class ServerMetrics:
                                                "Tokens emitted per sequence per verifying step since start",
                                                registry=r)
         self._spec_seen = SpecDecodeStats()
+        self.prefix_cache_queries = Counter("fastdeploy_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("fastdeploy_prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache", registry=r)
+        self._prefix_seen = (0, 0)
         self.itl = Histogram("fastdeploy_inter_token_latency_seconds", "Time between consecutive token deltas",
                              buckets=_LATENCY_BUCKETS, registry=r)
+
+    def update_prefix_cache(self, queries: int, hits: int) -> None:
+        """Bring the counters up to the engine's totals (tokens since start)."""
+        self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_cache_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
 
     def update_spec_decode(self, stats: SpecDecodeStats | None) -> None:
         """Bring the counters up to the engine's running totals."""

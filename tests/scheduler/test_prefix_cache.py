@@ -1,0 +1,201 @@
+"""Prefix caching: shared full blocks, computed once, and results that never depend on it.
+
+The pool's rules are tested on the block manager and scheduler alone; exactness through the
+real engine (a small random Qwen2 on CPU, float32): the same requests with caching on and off
+give the same tokens, logprobs, sampling masks and logZ, also with preemption, chunked
+prefill, n > 1 groups and n-gram speculative decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import InProcessExecutor
+from fastdeploy.engine.request import EngineRequest
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.output.sampling_masks import logz_values
+from fastdeploy.scheduler.block_manager import BlockManager
+from fastdeploy.scheduler.prefix_hash import extend_block_hashes, root_hash
+from fastdeploy.scheduler.scheduler import Scheduler
+from fastdeploy.scheduler.sequence import Sequence
+from fastdeploy.spec_decode.config import parse_speculative_config
+from tests.random_qwen2 import save_random_qwen2
+
+BLOCK = 4
+
+
+def _hashes(tokens: list[int]) -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, BLOCK, root_hash("m", "float32"))
+    return out
+
+
+def test_hash_covers_the_whole_prefix_and_the_model():
+    a, b = _hashes([1, 2, 3, 4, 5, 6, 7, 8]), _hashes([9, 2, 3, 4, 5, 6, 7, 8])
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # the same second block after another first
+    assert _hashes([1, 2, 3, 4, 5, 6, 7]) == a[:1]  # only full blocks
+    other = []
+    extend_block_hashes(other, [1, 2, 3, 4], BLOCK, root_hash("m", "bfloat16"))
+    assert other[0] != a[0]
+
+
+def test_shared_blocks_are_counted_and_evicted_only_when_free_runs_out():
+    bm = BlockManager(4, BLOCK, enable_prefix_caching=True)
+    h = _hashes(list(range(8)))
+    first: list[int] = []
+    bm.grow(first, 8)
+    bm.register(first[0], h[0])
+    bm.register(first[1], h[1])
+    second: list[int] = []
+    bm.share(second, bm.cached_blocks(h))
+    assert second == first and bm.num_free_blocks == 2
+    blocks = list(first)
+    bm.free(first)
+    assert bm.num_free_blocks == 2  # still held by the second sequence
+    bm.free(second)
+    assert bm.num_free_blocks == 4 and bm.cached_blocks(h) == blocks  # free, and still cached
+    taken: list[int] = []
+    bm.grow(taken, 8)  # the two never-used blocks first
+    assert bm.cached_blocks(h) == blocks
+    bm.grow(taken, 12)  # then the least recently freed cached block: the tail of the prefix
+    assert bm.cached_blocks(h) == blocks[:1]
+    assert bm.num_free_blocks == 1 and not bm.can_grow([], 5)  # the head, still cached, is the last
+
+
+def test_admission_takes_the_cached_prefix_and_computes_at_least_one_token():
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(8, 256, 64), bm)
+    first = Sequence(0, "a", list(range(1, 13)), SamplingParams())
+    sched.add(first)
+    step = sched.schedule()
+    sched.on_step_done(step)
+    assert first.num_registered_blocks == 3
+    sched.finish(first)
+    # Same 12 tokens: the last block is recomputed (its last token gives the logits).
+    again = Sequence(1, "b", list(range(1, 13)), SamplingParams())
+    longer = Sequence(2, "c", list(range(1, 13)) + [50, 51], SamplingParams())
+    sched.add(again)
+    sched.add(longer)
+    step = sched.schedule()
+    starts = {c.seq.request_id: (c.start, c.num_tokens) for c in step.chunks}
+    assert starts == {"b": (8, 4), "c": (12, 2)}
+    assert bm.hit_tokens == 8 + 12 and bm.query_tokens == 8 + 8 + 12  # the first one found nothing
+
+
+def test_a_group_waits_for_the_prefix_its_first_member_computes():
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(8, 256, 64), bm)
+    group = [Sequence(i, f"g{i}", list(range(1, 18)), SamplingParams()) for i in range(3)]
+    for seq in group:
+        sched.add(seq)
+    step = sched.schedule()
+    assert [c.seq.request_id for c in step.chunks] == ["g0"]
+    sched.on_step_done(step)
+    step = sched.schedule()
+    assert sorted((c.seq.request_id, c.start) for c in step.chunks if c.seq is not group[0]) == [("g1", 16),
+                                                                                                  ("g2", 16)]
+    assert group[1].block_ids[:4] == group[0].block_ids[:4] == group[2].block_ids[:4]
+
+
+# Engine-level exactness.
+
+PREFIX = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101]
+MIXES = [
+    {"temperature": 0.0, "logprobs": 3},
+    {"temperature": 0.9, "top_p": 0.9, "seed": 5},
+    {"temperature": 1.0, "top_k": 40, "seed": 6, "n": 3},
+    {"temperature": 0.0, "logprobs": 2, "repetition_penalty": 1.2},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2_prefix"), vocab_size=512)
+
+
+def _config(model_dir: str, caching: bool, num_blocks: int, spec: dict | None = None,
+            budget: int = 64) -> EngineConfig:
+    return EngineConfig(model=model_dir, device="cpu", dtype="float32", guided_decoding_backend="off",
+                        enable_keep_sampling_mask=True, speculative=parse_speculative_config(spec),
+                        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=caching),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=budget))
+
+
+def _run(config: EngineConfig, waves: list[list[tuple[str, list[int], SamplingParams]]]) -> tuple[dict, int, int]:
+    """Each wave's requests added together and run to the end; per request (fanned out by n):
+    tokens, logprobs, mask rows and logZ. Also the cache's hit tokens and the preemptions."""
+    core = EngineCore(config, InProcessExecutor(config))
+    out: dict[str, tuple[list, list, list, list]] = {}
+    wants_logprobs: set[str] = set()
+    try:
+        for wave in waves:
+            for request_id, prompt, params in wave:
+                for k in range(params.n):
+                    core.add_request(EngineRequest(f"{request_id}.{k}", prompt, params))
+                    out[f"{request_id}.{k}"] = ([], [], [], [])
+                    if params.logprobs is not None:
+                        wants_logprobs.add(f"{request_id}.{k}")
+            while core.has_work():
+                for d in core.step():
+                    assert d.error is None, d.error
+                    tokens, logprobs, masks, logz = out[d.request_id]
+                    tokens += d.token_ids
+                    if d.request_id in wants_logprobs:
+                        logprobs += [row[0] for row in d.logprobs]
+                    if d.sampling_mask is not None:
+                        masks += d.sampling_mask.to_lists()
+                        logz += logz_values(d.logz)
+        return out, core.block_manager.hit_tokens, core.scheduler.num_preemptions
+    finally:
+        core.shutdown()
+
+
+def _waves() -> list[list[tuple[str, list[int], SamplingParams]]]:
+    """A first wave that fills the cache, then prompts that share its prefixes (whole, longer,
+    and cut mid-block) and a conversation that resends an answer."""
+    def params(i: int, max_tokens: int = 6) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **MIXES[i % len(MIXES)])
+    first = [(f"a{i}", PREFIX + [200 + i, 3, 5], params(i)) for i in range(len(MIXES))]
+    second = [(f"b{i}", PREFIX + [200 + i, 3, 5, 9, 8, 7][:3 + i], params(i + 1)) for i in range(len(MIXES))]
+    second += [("cut", PREFIX[:10], params(0)), ("whole", PREFIX + [200, 3, 5], params(0))]
+    return [first, second]
+
+
+def _assert_same(cached: dict, plain: dict) -> None:
+    assert cached.keys() == plain.keys()
+    for request_id, (tokens, logprobs, masks, logz) in plain.items():
+        c_tokens, c_logprobs, c_masks, c_logz = cached[request_id]
+        assert c_tokens == tokens, request_id
+        assert c_masks == masks, request_id
+        assert c_logprobs == pytest.approx(logprobs, abs=1e-4), request_id
+        assert c_logz == pytest.approx(logz, abs=1e-4), request_id
+
+
+def test_caching_changes_no_result(model_dir):
+    plain, plain_hits, _ = _run(_config(model_dir, False, 256), _waves())
+    cached, hits, _ = _run(_config(model_dir, True, 256), _waves())
+    assert plain_hits == 0 and hits >= 4 * len(PREFIX) // BLOCK * BLOCK
+    _assert_same(cached, plain)
+    assert all(len(v[0]) == 6 for v in plain.values())
+
+
+def test_caching_with_preemption_and_chunked_prefill_changes_no_result(model_dir):
+    """A pool too small for the batch preempts sequences that hold shared blocks, and a small
+    token budget prefills in chunks; the results stay those of the uncached run."""
+    plain, _, _ = _run(_config(model_dir, False, 256), _waves())
+    cached, hits, preemptions = _run(_config(model_dir, True, 18, budget=12), _waves())
+    assert hits > 0 and preemptions > 0
+    _assert_same(cached, plain)
+
+
+def test_caching_with_ngram_speculation_changes_no_result(model_dir):
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    greedy = [[(w_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2))
+               for w_id, prompt, _ in wave] for wave in _waves()]
+    plain, _, _ = _run(_config(model_dir, False, 256, ngram), greedy)
+    cached, hits, _ = _run(_config(model_dir, True, 256, ngram), greedy)
+    assert hits > 0
+    _assert_same(cached, plain)
+
