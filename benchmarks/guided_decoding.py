@@ -4,7 +4,7 @@
 
 Per schema, in a forked child (see tests/guided_decoding/jsb.py): cold compile time
 through GrammarCompileService (submit -> ready), the same spec again (served by
-xgrammar's cache), and the time of every fill_next_token_bitmask call while driving the
+the compile service's cache), and the time of every fill_bitmask call while driving the
 schema's test instances token by token. Prints a table, writes JSON and a PNG.
 Use --parallel 1 for clean timings (each child uses one compiler thread).
 """
