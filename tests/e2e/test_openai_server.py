@@ -183,3 +183,17 @@ def test_client_disconnect_aborts_and_frees_kv(server):
         time.sleep(0.3)
     assert m["fastdeploy_kv_cache_usage_ratio"] == 0 and m["fastdeploy_num_requests_running"] == 0
     assert m['fastdeploy_requests_total{finish_reason="abort"}'] >= 1
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
+    """The second request with a long shared prefix finds it cached (/metrics counts tokens),
+    and its greedy answer is the first one's."""
+    prompt = "Here is a list of the planets and their moons, in order from the sun. " * 8
+    before = server.metrics()
+    answers = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+               for _ in range(2)]
+    after = server.metrics()
+    hits = after["fastdeploy_prefix_cache_hits_total"] - before.get("fastdeploy_prefix_cache_hits_total", 0)
+    queries = after["fastdeploy_prefix_cache_queries_total"] - before.get("fastdeploy_prefix_cache_queries_total", 0)
+    assert answers[0] == answers[1]
+    assert hits >= 96 and queries >= 2 * hits - 16  # the second lookup finds what the first one stored
