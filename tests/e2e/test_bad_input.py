@@ -181,6 +181,8 @@ def test_nothing_in_a_request_reads_a_file_or_a_url(server):
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         assert_error(chat(server, response_format=rf), param="response_format")
         assert_error(chat(server, guided_json=json.dumps(schema)), param="guided_json")
+        rf_text = {"type": "json_schema", "json_schema": {"name": "x", "schema": json.dumps(schema)}}
+        assert_error(chat(server, response_format=rf_text), param="response_format")
     local = {"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}
     assert chat(server, guided_json=local, max_tokens=4).status_code == 200
 

@@ -160,6 +160,9 @@ def test_external_refs_are_found_wherever_they_are(schema):
     found = external_ref(schema)
     assert (found is None) == (not outside)
     assert found is None or found in outside
+    # The same schema given as JSON text, as response_format.json_schema.schema may be.
+    assert (external_ref({"type": "json_schema", "json_schema": {"schema": json.dumps(schema)}}) is None) \
+        == (not outside)
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])

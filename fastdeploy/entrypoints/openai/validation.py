@@ -21,6 +21,15 @@ from fastdeploy.entrypoints.openai.request_limits import MAX_PROMPTS
 
 # JSON Schema keywords that name another schema by URI; only fragments of the same document may be used.
 REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Keys under which a schema may also be given as JSON text (response_format.json_schema.schema, ...).
+SCHEMA_TEXT_KEYS = ("schema", "json_schema", "parameters")
+
+
+def _json_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None  # not JSON: the guided-decoding parser reports it
 
 
 def encode_text(tokenizer, text: str, param: str) -> list[int]:
@@ -76,7 +85,7 @@ def external_ref(value: Any) -> str | None:
             for key, child in node.items():
                 if key in REF_KEYWORDS and isinstance(child, str) and not child.startswith("#"):
                     return child
-                stack.append(child)
+                stack.append(_json_text(child) if key in SCHEMA_TEXT_KEYS and isinstance(child, str) else child)
         elif isinstance(node, list):
             stack.extend(node)
     return None
@@ -86,12 +95,7 @@ def check_no_external_refs(request: CommonRequest) -> None:
     """A schema may only refer to its own parts: the server never reads a file or a URL for a request."""
     for field in GUIDED_FIELDS:
         value = getattr(request, field)
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                continue  # not JSON: the guided-decoding parser reports it
-        ref = external_ref(value)
+        ref = external_ref(_json_text(value) if isinstance(value, str) else value)
         if ref is not None:
             raise bad_request(f"`{field}` refers to {ref!r}: a `$ref` must point inside the schema ('#/...'); "
                               "this server reads no files or URLs for a request", field)
