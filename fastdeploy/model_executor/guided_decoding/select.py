@@ -129,7 +129,11 @@ def choose_backend(spec: GuidedSpec, setting: str) -> str:
     usable = [v for v in verdicts if not v.error]
     if spec.best_effort and usable:
         return min(usable, key=lambda v: len(v.gaps)).backend
-    raise ParameterError(_refusal(spec, verdicts), spec_param(spec))
+    message = _refusal(spec, verdicts)
+    others = [b for b in BACKEND_NAMES if b not in candidates]
+    if setting != "auto" and spec.kind == "json_schema" and any(_verdict(spec, b).exact for b in others):
+        message += f" ({others[0]} enforces this schema: --guided-decoding-backend auto or {others[0]})"
+    raise ParameterError(message, spec_param(spec))
 
 
 def resolve_guided_spec(spec: GuidedSpec, setting: str, disable_any_whitespace: bool = False) -> GuidedSpec:
