@@ -61,7 +61,8 @@ async def first_token_s(client: httpx.AsyncClient, server: Server, prompt: str, 
     async with client.stream("POST", server.base + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if first is None and line.startswith("data: ") and '"text"' in line and line != "data: [DONE]":
+            if first is None and line.startswith("data: ") and line != "data: [DONE]" \
+                    and json.loads(line[6:])["choices"][0].get("text"):
                 first = time.perf_counter() - start
     return first if first is not None else float("nan")
 
@@ -113,9 +114,12 @@ async def chat_load(server: Server, args: argparse.Namespace, seed0: int) -> dic
             async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as resp:
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]" and '"content"' in line:
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    content = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                    if content:  # the first chunk carries only the role
                         first = first if first is not None else time.perf_counter() - start
-                        text.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+                        text.append(content)
             ttfts.append(first if first is not None else float("nan"))
             messages.append({"role": "assistant", "content": "".join(text)})
 
