@@ -1,9 +1,9 @@
 """Which JSON Schema keywords each grammar backend enforces, and where a schema uses one it does not.
 
 A backend that ignores a keyword compiles a grammar *looser* than the schema: the output
-passes the grammar and fails the schema. This module walks a schema (every subschema,
-local `$ref` targets included) and reports each such use as a `Gap`, per backend, so the
-server can pick a backend that enforces the whole schema or refuse it by name.
+passes the grammar and fails the schema. This module walks a schema (schema_walk.py: every
+subschema, local `$ref` targets included) and reports each such use as a `Gap`, per
+backend, so the server can pick a backend that enforces the whole schema or refuse it by name.
 
 The tables err on the strict side. A keyword counts as enforced only where tests show
 the backend rejecting what the schema rejects (tests/guided_decoding/test_coverage.py);
@@ -18,9 +18,20 @@ Measured on xgrammar 0.2.8 (strict_mode) and llguidance 1.9.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from fastdeploy.model_executor.guided_decoding.schema_walk import (
+    deref,
+    disjoint,
+    is_remote,
+    json_type,
+    literal_values,
+    types_of,
+    walk,
+    widen,
+)
 
 __all__ = ["BACKEND_NAMES", "CONSTRAINTS", "Gap", "schema_gaps"]
 
@@ -51,12 +62,6 @@ _TYPE_OF = {
                      "propertyNames", "unevaluatedProperties"), "object"),
 }
 
-# Where subschemas live: {name: schema}, one schema, or [schema, ...].
-_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
-# `propertyNames` is left out: its schema judges names, not generated values (see _name_rule_gap).
-_SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
-            "unevaluatedItems", "unevaluatedProperties")
-_SUB_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref")
 
 
@@ -73,157 +78,10 @@ class Gap:
         return f"{where} ({self.why})" if self.why else where
 
 
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
-
-
-def _resolve(doc: Any, ref: str) -> tuple[str, Any] | None:
-    """A local `$ref` ("#", "#/a/b") → (pointer, schema); None when it is remote or dangling."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    pointer = ref[1:]
-    node = doc
-    for part in [p for p in pointer.split("/") if p] if pointer else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return pointer, node
-
-
-def _is_remote(node: dict) -> bool:
-    # A dangling local reference is not a gap but an invalid schema, which parsing reports.
-    return "$ref" in node and not (isinstance(node["$ref"], str) and node["$ref"].startswith("#"))
-
-
-def _subschemas(node: dict, path: str) -> Iterator[tuple[str, Any]]:
-    for key in _SUB_MAPS:
-        value = node.get(key)
-        if isinstance(value, dict):
-            for name, sub in value.items():
-                if key == "dependencies" and not isinstance(sub, (dict, bool)):
-                    continue  # draft-7 property dependencies: a list of names, not a schema
-                yield f"{path}/{key}/{_escape(name)}", sub
-    for key in _SUB_ONE:
-        value = node.get(key)
-        if isinstance(value, (dict, bool)):
-            yield f"{path}/{key}", value
-    for key in _SUB_LISTS:
-        value = node.get(key)
-        if isinstance(value, list):
-            for i, sub in enumerate(value):
-                yield f"{path}/{key}/{i}", sub
-
-
-_REF_SIBLINGS_IGNORED = ("draft-03", "draft-04", "draft-06", "draft-07")
-
-
-def _ignores_ref_siblings(doc: Any) -> bool:
-    """Drafts 3 to 7 ignore every keyword beside `$ref`; later drafts apply them too."""
-    declared = doc.get("$schema") if isinstance(doc, dict) else None
-    return isinstance(declared, str) and any(d in declared for d in _REF_SIBLINGS_IGNORED)
-
-
-def _walk(doc: Any) -> Iterator[tuple[str, dict]]:
-    """Every schema object reachable from the root, each once, with its JSON pointer. Under a
-    draft that ignores the siblings of `$ref`, such an object is seen as its `$ref` alone."""
-    seen: set[str] = set()
-    stack: list[tuple[str, Any]] = [("", doc)]
-    ref_only = _ignores_ref_siblings(doc)
-    while stack:
-        path, node = stack.pop()
-        if path in seen or not isinstance(node, dict):
-            continue
-        seen.add(path)
-        if ref_only and "$ref" in node:
-            node = {"$ref": node["$ref"]}  # definitions beside it are reached through references
-        yield path, node
-        stack.extend(_subschemas(node, path))
-        target = _resolve(doc, node["$ref"]) if "$ref" in node else None
-        if target is not None:
-            stack.append(target)
-
-
-def _types(node: Any) -> set[str] | None:
-    """The JSON types `node` admits when it says so (type, const, enum); None when it does not."""
-    if not isinstance(node, dict):
-        return None
-    t = node.get("type")
-    if isinstance(t, str):
-        return {t}
-    if isinstance(t, list) and all(isinstance(x, str) for x in t):
-        return set(t)
-    values = [node["const"]] if "const" in node else node.get("enum")
-    if isinstance(values, list):
-        return {_json_type(v) for v in values}
-    return None
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
-
-
-def _widen(types: set[str]) -> set[str]:
-    # An integer is a number: "number" admits every integer.
-    return types | {"integer"} if "number" in types else types
-
-
-def _values(node: Any) -> list | None:
-    if not isinstance(node, dict):
-        return None
-    if "const" in node:
-        return [node["const"]]
-    return node.get("enum") if isinstance(node.get("enum"), list) else None
-
-
-def _disjoint(a: Any, b: Any) -> bool:
-    """Provably no instance matches both `a` and `b`: their types differ, or a property that
-    both require has disjoint const/enum values (a discriminator)."""
-    ta, tb = _types(a), _types(b)
-    if ta is not None and tb is not None and not (_widen(ta) & _widen(tb)):
-        return True
-    if not (isinstance(a, dict) and isinstance(b, dict)):
-        return False
-    pa, pb = a.get("properties"), b.get("properties")
-    ra, rb = a.get("required"), b.get("required")
-    if not (isinstance(pa, dict) and isinstance(pb, dict) and isinstance(ra, list) and isinstance(rb, list)):
-        return False
-    both = {n for n in ra if isinstance(n, str)} & {n for n in rb if isinstance(n, str)}
-    for name in both:
-        va, vb = _values(pa.get(name)), _values(pb.get(name))
-        if va is not None and vb is not None and not any(x == y and _json_type(x) == _json_type(y)
-                                                         for x in va for y in vb):
-            return True
-    return False
-
-
-def _deref(doc: Any, node: Any) -> Any:
-    """Follow a branch that is only a local `$ref` (bounded, so a cycle ends)."""
-    for _ in range(16):
-        if not (isinstance(node, dict) and "$ref" in node):
-            return node
-        target = _resolve(doc, node["$ref"])
-        if target is None:
-            return node
-        node = target[1]
-    return node
-
-
 def _generated_types(doc: Any, branch: Any) -> set[str] | None:
     """The JSON types xgrammar can generate for `branch`, when it tells (None: any)."""
-    branch = _deref(doc, branch)
-    types = _types(branch)
+    branch = deref(doc, branch)
+    types = types_of(branch)
     if types is None and isinstance(branch, dict) and isinstance(branch.get("properties"), dict):
         return {"object"}
     return types
@@ -233,7 +91,7 @@ def _branches_within(doc: Any, node: dict, comb: str, types: set[str]) -> bool:
     branches = [{"$ref": node["$ref"]}] if comb == "$ref" else node.get(comb)
     if not isinstance(branches, list) or not branches:
         return False
-    allowed = _widen(types)
+    allowed = widen(types)
     for b in branches:
         bt = _generated_types(doc, b)
         if bt is None or not bt <= allowed:
@@ -243,8 +101,8 @@ def _branches_within(doc: Any, node: dict, comb: str, types: set[str]) -> bool:
 
 def _oneof_is_anyof(doc: Any, branches: list) -> bool:
     """oneOf equals anyOf when no two branches can match the same instance."""
-    resolved = [_deref(doc, b) for b in branches]
-    return all(_disjoint(resolved[i], resolved[j]) for i in range(len(resolved)) for j in range(i + 1, len(resolved)))
+    resolved = [deref(doc, b) for b in branches]
+    return all(disjoint(resolved[i], resolved[j]) for i in range(len(resolved)) for j in range(i + 1, len(resolved)))
 
 
 # -- xgrammar --------------------------------------------------------------------------
@@ -319,7 +177,7 @@ def _name_rule_gap(node: dict, keyword: str) -> str | None:
 def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
     keys = [k for k in node if k in CONSTRAINTS]
     gaps = [Gap(k, path) for k in keys if k in _XGRAMMAR_NEVER]
-    types = _types({"type": node["type"]}) if "type" in node else None
+    types = types_of({"type": node["type"]}) if "type" in node else None
     if types is None and isinstance(node.get("properties"), dict):
         types = {"object"}  # xgrammar generates an object for `properties` without `type`
 
@@ -339,7 +197,7 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
         gap("allOf", "more than one branch")
     if isinstance(node.get("oneOf"), list) and not _oneof_is_anyof(doc, node["oneOf"]):
         gap("oneOf", "branches not provably disjoint")
-    if _is_remote(node):
+    if is_remote(node):
         gap("$ref", "not a local reference")
     # Beside enum/const only `type` is kept, and it does not filter the listed values.
     for lit in ("enum", "const"):
@@ -347,8 +205,8 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
             for k in keys:
                 if k not in ("enum", "const", "type"):
                     gap(k, f"beside `{lit}`")
-            values = _values(node) or []
-            if types is not None and any(not ({_json_type(v)} & _widen(types)) for v in values):
+            values = literal_values(node) or []
+            if types is not None and any(not ({json_type(v)} & widen(types)) for v in values):
                 gap(lit, "a value outside `type`")
     for k in keys:
         if k in _NAME_RULES:
@@ -402,7 +260,7 @@ _LLGUIDANCE_ENFORCED = frozenset({
 
 def _llguidance_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
     gaps = [Gap(k, path) for k in node if k in CONSTRAINTS and k not in _LLGUIDANCE_ENFORCED]
-    if _is_remote(node):
+    if is_remote(node):
         gaps.append(Gap("$ref", path, "not a local reference"))
     return gaps
 
@@ -421,6 +279,6 @@ def schema_gaps(schema: Any, backend: str) -> list[Gap]:
     """
     rule = _RULES[backend]
     gaps: list[Gap] = []
-    for path, node in sorted(_walk(schema), key=lambda pn: (pn[0].count("/"), pn[0])):
+    for path, node in sorted(walk(schema), key=lambda pn: (pn[0].count("/"), pn[0])):
         gaps.extend(rule(schema, node, path))
     return gaps
