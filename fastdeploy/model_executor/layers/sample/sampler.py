@@ -1,6 +1,6 @@
 """The sampler: logits [B, V] + SamplingMetadata -> SamplerOutput.
 
-Pipeline per row (normative, see DESIGN.md "Sampler semantics"):
+Pipeline per row (normative; docs/sampling.md describes it for users):
 logit_bias -> token bitmask -> repetition / frequency / presence penalties ->
 temperature -> softmax p -> top-k -> top-p (on the top-k renormalised mass) ->
 min-p -> draw over the kept set. Temperature 0 is greedy (argmax of the processed
