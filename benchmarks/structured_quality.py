@@ -38,7 +38,6 @@ from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.engine.errors import ParameterError  # noqa: E402
 from fastdeploy.model_executor.guided_decoding import (  # noqa: E402
     GrammarCompileService,
-    GuidedSpec,
     GuidedState,
     allocate_bitmask,
     guided_spec_from_request,
