@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import zmq
@@ -37,9 +38,28 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def cuda_visible_devices(devices: str | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES set to `devices` while inside (a spawned process copies the environment)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if devices is not None:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, visible_devices: str | None = None) -> None:
+        """`visible_devices`: CUDA_VISIBLE_DEVICES of the engine and its workers (a data-parallel
+        replica's own GPUs); None leaves the environment as it is."""
         self.config = config
+        self.visible_devices = visible_devices
         self.limits: EngineLimits | None = None
         self.dead_reason: str | None = None
         self.num_running = 0
@@ -66,7 +86,8 @@ class AsyncEngineClient:
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(target=run_engine, args=(self.config, self.ipc_dir, os.getpid()),
                                      name="fastdeploy-engine")
-        self.process.start()
+        with cuda_visible_devices(self.visible_devices):
+            self.process.start()
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if await self.out_sock.poll(200):

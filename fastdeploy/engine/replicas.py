@@ -1,0 +1,252 @@
+"""Data parallelism: N engine replicas behind one client, routed by load.
+
+Each replica is a whole engine (its own engine core, worker processes and KV pool) reached
+through its own `AsyncEngineClient`. `ReplicaSet` offers the API server the same surface as
+one client. A request goes to the live replica with the fewest outstanding tokens (prompt
+tokens not yet computed plus tokens still to generate); among replicas within one request's
+size of that minimum, one that recently served the same prompt start is preferred, since its
+prefix cache holds it. A replica whose engine dies is seen by its client within a poll
+(100 ms); its in-flight requests that have streamed nothing yet are sent to another replica,
+the others end with an error, and the replica is started again in the background while the
+rest keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
+from fastdeploy.engine.limits import EngineLimits
+from fastdeploy.engine.request import EngineRequest, RequestDelta
+from fastdeploy.spec_decode.stats import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+AFFINITY_TOKENS = 64  # the prompt start that keys prefix affinity
+AFFINITY_ENTRIES = 4096  # remembered prompt starts (least recently used dropped)
+RESTART_DELAY_S = 1.0
+
+
+def affinity_key(prompt_token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", prompt_token_ids[:AFFINITY_TOKENS]).tobytes(), digest_size=8).digest()
+
+
+@dataclass
+class RetiredCounts:
+    """What the earlier clients of a restarted replica counted (totals since start)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    spec_decode: SpecDecodeStats | None = None
+
+    def keep(self, client: AsyncEngineClient) -> None:
+        self.prefix_cache_queries += client.prefix_cache_queries
+        self.prefix_cache_hits += client.prefix_cache_hits
+        if client.spec_decode is not None:
+            base = self.spec_decode or SpecDecodeStats()
+            self.spec_decode = SpecDecodeStats(base.num_draft_tokens + client.spec_decode.num_draft_tokens,
+                                               base.num_accepted_draft_tokens
+                                               + client.spec_decode.num_accepted_draft_tokens,
+                                               base.num_verified_sequences
+                                               + client.spec_decode.num_verified_sequences)
+
+
+@dataclass
+class Replica:
+    index: int
+    client: AsyncEngineClient
+    # request id -> tokens it still costs this replica (see `ReplicaSet._cost`)
+    outstanding: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
+    restarting: bool = False
+    retired: RetiredCounts = field(default_factory=lambda: RetiredCounts())
+
+    @property
+    def live(self) -> bool:
+        return self.client.healthy and not self.restarting
+
+    @property
+    def load(self) -> int:
+        return sum(self.outstanding.values())
+
+
+def replica_devices(config: EngineConfig, index: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES of replica `index` on one host: its tensor-parallel group's GPUs."""
+    if not config.device.startswith("cuda"):
+        return None
+    tp = config.tensor_parallel_size
+    return ",".join(str(index * tp + r) for r in range(tp))
+
+
+class ReplicaSet:
+    """N replicas of the engine; the API server's client when --data-parallel-size > 1."""
+
+    def __init__(self, config: EngineConfig, size: int,
+                 make_client: Callable[[EngineConfig, int], AsyncEngineClient] | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
+        self.config = config
+        self._make_client = make_client or local_replica_client
+        self.replicas = [Replica(i, self._make_client(config, i)) for i in range(size)]
+        self._affinity: OrderedDict[bytes, int] = OrderedDict()
+        self._monitor: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        await asyncio.gather(*(r.client.start() for r in self.replicas))
+        self._monitor = asyncio.create_task(self._watch())
+
+    # The API server's view: one engine.
+
+    @property
+    def limits(self) -> EngineLimits | None:
+        return next((r.client.limits for r in self.replicas if r.client.limits is not None), None)
+
+    @property
+    def healthy(self) -> bool:
+        return any(r.live for r in self.replicas)
+
+    @property
+    def degraded(self) -> bool:
+        return not all(r.live for r in self.replicas)
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self.healthy:
+            return None
+        return "; ".join(f"replica {r.index}: {r.client.dead_reason or 'restarting'}" for r in self.replicas)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.client.num_running for r in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.client.num_waiting for r in self.replicas)
+
+    @property
+    def kv_usage(self) -> float:
+        return sum(r.client.kv_usage for r in self.replicas) / len(self.replicas)
+
+    # Counters are totals since the server started: a restarted replica's client starts from
+    # zero, so what its predecessors counted is kept in `retired`.
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(r.client.prefix_cache_queries + r.retired.prefix_cache_queries for r in self.replicas)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(r.client.prefix_cache_hits + r.retired.prefix_cache_hits for r in self.replicas)
+
+    @property
+    def spec_decode(self) -> SpecDecodeStats | None:
+        if self.config.speculative is None:
+            return None
+        total = SpecDecodeStats()
+        for r in self.replicas:
+            for stats in (r.client.spec_decode, r.retired.spec_decode):
+                if stats is not None:
+                    total.num_draft_tokens += stats.num_draft_tokens
+                    total.num_accepted_draft_tokens += stats.num_accepted_draft_tokens
+                    total.num_verified_sequences += stats.num_verified_sequences
+        return total
+
+    # Routing.
+
+    @staticmethod
+    def _cost(request: EngineRequest) -> int:
+        return len(request.prompt_token_ids) + (request.params.max_tokens or 0)
+
+    def pick(self, request: EngineRequest, exclude: frozenset[int] = frozenset()) -> Replica:
+        live = [r for r in self.replicas if r.live and r.index not in exclude]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no live replica")
+        least = min(r.load for r in live)
+        key = affinity_key(request.prompt_token_ids)
+        preferred = self._affinity.get(key)
+        chosen = next((r for r in live if r.index == preferred and r.load <= least + self._cost(request)), None)
+        if chosen is None:
+            chosen = min(live, key=lambda r: (r.load, r.index))
+        self._affinity[key] = chosen.index
+        self._affinity.move_to_end(key)
+        if len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return chosen
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        tried: set[int] = set()
+        while True:
+            replica = self.pick(request, frozenset(tried))
+            tried.add(replica.index)
+            replica.outstanding[request.request_id] = self._cost(request)
+            first = True
+            try:
+                async with contextlib.aclosing(replica.client.generate(request)) as deltas:
+                    async for delta in deltas:
+                        if first and delta.finish_reason == "error" and not replica.client.healthy:
+                            break  # the replica died before this request got anything: another takes it
+                        # Its prompt is computed once the first delta is out; then each token counts.
+                        replica.outstanding[request.request_id] -= len(delta.token_ids) + (
+                            len(request.prompt_token_ids) if first else 0)
+                        first = False
+                        yield delta
+                    else:
+                        return
+            except EngineDeadError:
+                if not first:
+                    raise
+            finally:
+                replica.outstanding.pop(request.request_id, None)
+            logger.warning("replica %d is down; request %s goes to another replica", replica.index,
+                           request.request_id)
+
+    # Faults.
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(0.2)
+            for replica in self.replicas:
+                if not replica.restarting and replica.client.dead_reason is not None:
+                    replica.restarting = True
+                    asyncio.create_task(self._restart(replica))
+
+    async def _restart(self, replica: Replica) -> None:
+        logger.error("replica %d is down (%s); starting it again", replica.index, replica.client.dead_reason)
+        replica.retired.keep(replica.client)
+        with contextlib.suppress(Exception):
+            await replica.client.shutdown()
+        while not self._stopping:
+            client = self._make_client(self.config, replica.index)
+            try:
+                await client.start()
+            except Exception as exc:  # noqa: BLE001 - a failed start is retried, never fatal to the server
+                logger.error("replica %d failed to start: %s", replica.index, exc)
+                with contextlib.suppress(Exception):
+                    await client.shutdown()
+                await asyncio.sleep(RESTART_DELAY_S)
+                continue
+            replica.client = client
+            replica.restarts += 1
+            replica.restarting = False
+            logger.info("replica %d is serving again (restart %d)", replica.index, replica.restarts)
+            return
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+        await asyncio.gather(*(r.client.shutdown() for r in self.replicas), return_exceptions=True)
+
+
+def local_replica_client(config: EngineConfig, index: int) -> AsyncEngineClient:
+    """Replica `index` as local processes; on CUDA it sees only its own GPUs."""
+    return AsyncEngineClient(config, visible_devices=replica_devices(config, index))

@@ -1,0 +1,126 @@
+"""Data-parallel replicas behind one client: real engine and worker processes of a small random
+Qwen2 on CPU, driven the way the API server drives them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.engine.engine_client import AsyncEngineClient
+from fastdeploy.engine.replicas import ReplicaSet, replica_devices
+from fastdeploy.engine.request import EngineRequest
+from fastdeploy.engine.sampling_params import SamplingParams
+from tests.random_qwen2 import save_random_qwen2
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> EngineConfig:
+    model = save_random_qwen2(tmp_path_factory.mktemp("qwen2_dp"), vocab_size=256)
+    return EngineConfig(model=model, device="cpu", dtype="float32", guided_decoding_backend="off",
+                        cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128))
+
+
+async def _collect(replicas: ReplicaSet, request: EngineRequest) -> list[int]:
+    tokens: list[int] = []
+    async for delta in replicas.generate(request):
+        assert delta.error is None, delta.error
+        tokens += delta.token_ids
+    return tokens
+
+
+def _request(i: int, prompt: list[int], max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_replicas_share_the_load_and_answer_as_one_engine(config):
+    async def main():
+        single = AsyncEngineClient(config)
+        replicas = ReplicaSet(config, 2)
+        await asyncio.gather(single.start(), replicas.start())
+        try:
+            prompts = [[5 + i, 9, 17, 33, 2 * i + 1] for i in range(6)]
+            alone = []
+            for i, p in enumerate(prompts):
+                alone.append([t for d in [d async for d in single.generate(_request(100 + i, p))] for t in d.token_ids])
+            served = {}
+            original_pick = replicas.pick
+
+            def recording_pick(request, exclude=frozenset()):
+                chosen = original_pick(request, exclude)
+                served[request.request_id] = chosen.index
+                return chosen
+
+            replicas.pick = recording_pick
+            together = await asyncio.gather(*(_collect(replicas, _request(i, p)) for i, p in enumerate(prompts)))
+            return alone, together, served, replicas.limits
+        finally:
+            await asyncio.gather(single.shutdown(), replicas.shutdown())
+
+    alone, together, served, limits = asyncio.run(main())
+    assert together == alone  # greedy: each replica gives what one engine gives
+    assert sorted(set(served.values())) == [0, 1]  # least outstanding tokens spreads them
+    assert limits is not None
+
+
+def test_prefix_affinity_keeps_a_prompt_on_its_replica_unless_it_is_busier(config):
+    replicas = ReplicaSet(config, 2)  # not started: routing only
+    for r in replicas.replicas:
+        r.client.limits = object()  # marks the client healthy without an engine
+    shared = list(range(10, 90))
+    first = replicas.pick(_request(0, shared + [1]))
+    first.outstanding["busy"] = 50  # within one request's size of the other: affinity holds
+    assert replicas.pick(_request(1, shared + [2])) is first
+    first.outstanding["busy"] = 10_000  # far busier: the load decides
+    assert replicas.pick(_request(2, shared + [3])) is not first
+
+
+def test_a_dead_replica_is_restarted_and_requests_go_on(config):
+    async def main():
+        replicas = ReplicaSet(config, 2)
+        await replicas.start()
+        try:
+            victim = replicas.replicas[0]
+            engine_pid = victim.client.process.pid
+            # Keep the victim busy with long requests, then kill its engine process.
+            long_prompt = [7, 8, 9, 10]
+            victim.outstanding["pin"] = 0
+            replicas.replicas[1].outstanding["pin"] = 10_000  # everything goes to replica 0 first
+            inflight = [asyncio.create_task(_collect(replicas, _request(i, long_prompt, 100))) for i in range(3)]
+            await asyncio.sleep(1.0)
+            replicas.replicas[1].outstanding.pop("pin")
+            os.kill(engine_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            while victim.client.dead_reason is None and not victim.restarting:
+                await asyncio.sleep(0.05)
+            seen_s = time.monotonic() - killed_at
+            degraded = replicas.degraded
+            outcomes = await asyncio.gather(*inflight, return_exceptions=True)
+            after = await _collect(replicas, _request(50, [3, 4, 5]))
+            deadline = time.monotonic() + 120
+            while (victim.restarts == 0 or victim.restarting) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            return seen_s, degraded, outcomes, after, victim.restarts, replicas.degraded, engine_pid
+        finally:
+            await replicas.shutdown()
+
+    seen_s, degraded, outcomes, after, restarts, degraded_after, engine_pid = asyncio.run(main())
+    assert seen_s < 5.0 and degraded
+    # Each in-flight request either finished elsewhere or ended with a clean error, never hung.
+    assert all(isinstance(o, list) or isinstance(o, AssertionError) for o in outcomes), outcomes
+    assert len(after) == 8
+    assert restarts == 1 and not degraded_after
+    assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_each_cuda_replica_sees_its_own_gpus(config):
+    import dataclasses
+    cuda = dataclasses.replace(config, device="cuda", tensor_parallel_size=2)
+    assert [replica_devices(cuda, i) for i in range(3)] == ["0,1", "2,3", "4,5"]
+    assert replica_devices(config, 1) is None
