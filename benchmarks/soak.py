@@ -23,6 +23,8 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -66,7 +68,8 @@ class Outcome:
 
 
 def make_specs(streams: int, disconnect: float, max_tokens: int) -> list[Spec]:
-    every = round(1 / disconnect) if disconnect > 0 else 0
+    # Exactly that share hangs up, drawn the same every run and scattered over the kinds.
+    hang_ups = set(random.Random(0).sample(range(streams), round(streams * disconnect)))
     specs = []
     for i in range(streams):
         kind = KINDS[i % len(KINDS)]
@@ -89,8 +92,7 @@ def make_specs(streams: int, disconnect: float, max_tokens: int) -> list[Spec]:
                                              "stop": ["\n3.", "###"]}
         else:
             path, body = "/v1/chat/completions", {"messages": chat, "temperature": 0.7, "seed": 1000 + i, "n": 2}
-        # Shifted by one each cycle of kinds, so that the clients hanging up are of every kind.
-        hang_up = 3 if every and (i // len(KINDS) + i) % every == every - 1 else None
+        hang_up = 3 if i in hang_ups else None
         specs.append(Spec(i, kind, path, {**base, **body}, kind.startswith("greedy"), hang_up))
     return specs
 
@@ -248,6 +250,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args()
+    # A SIGTERM unwinds like an exception, so that the server started below is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
 
     port = free_port()
     cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", "--port", str(port),
