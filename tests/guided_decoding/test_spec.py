@@ -131,3 +131,35 @@ def test_validation_is_cheap():
     for _ in range(20):
         validate_guided_spec(spec)
     assert (time.perf_counter() - t) / 20 < 0.05
+
+
+def test_resolution_fills_the_whitespace_default_and_keeps_a_pinned_backend():
+    from fastdeploy.model_executor.guided_decoding import resolve_guided_spec
+
+    spec = guided_spec_from_request({"guided_json": SCHEMA})
+    assert resolve_guided_spec(spec, "auto", disable_any_whitespace=True).disable_any_whitespace is True
+    own = guided_spec_from_request({"guided_json": SCHEMA}, disable_any_whitespace=False)
+    assert resolve_guided_spec(own, "auto", disable_any_whitespace=True).disable_any_whitespace is False
+    resolved = resolve_guided_spec(spec, "auto")
+    assert resolved.backend == "xgrammar" and resolve_guided_spec(resolved, "auto") == resolved  # idempotent
+    pinned = msgspec.structs.replace(spec, backend="llguidance")
+    assert resolve_guided_spec(pinned, "auto").backend == "llguidance"
+    with pytest.raises(ParameterError, match="runs on xgrammar, not llguidance"):
+        resolve_guided_spec(pinned, "xgrammar")
+    with pytest.raises(ParameterError, match="unknown grammar backend"):
+        resolve_guided_spec(msgspec.structs.replace(spec, backend="other"), "auto")
+    with pytest.raises(ParameterError, match="disabled on this server"):
+        resolve_guided_spec(spec, "off")
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+
+    from fastdeploy.engine.args import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    config = EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config()
+    assert config.guided_decoding_backend == "auto" and not config.guided_decoding_disable_any_whitespace
+    args = parser.parse_args(["--guided-decoding-backend", "llguidance", "--guided-decoding-disable-any-whitespace"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.guided_decoding_backend == "llguidance" and config.guided_decoding_disable_any_whitespace
