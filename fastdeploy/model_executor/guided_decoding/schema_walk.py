@@ -3,6 +3,7 @@ what a subschema says about the JSON types it admits (used by coverage.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,9 +131,22 @@ def literal_values(node: Any) -> list | None:
     return node.get("enum") if isinstance(node.get("enum"), list) else None
 
 
+_LITERAL_PATTERN = re.compile(r"\^([\w\- ]+)\$")
+
+
+def _discriminator(node: Any) -> list | None:
+    """The values a property schema allows when it lists them: const / enum, or a pattern
+    that spells one word (`^fail$`)."""
+    values = literal_values(node)
+    if values is None and isinstance(node, dict) and isinstance(node.get("pattern"), str):
+        m = _LITERAL_PATTERN.fullmatch(node["pattern"])
+        values = [m.group(1)] if m else None
+    return values
+
+
 def disjoint(a: Any, b: Any) -> bool:
     """Provably no instance matches both `a` and `b`: their types differ, or a property that
-    both require has disjoint const/enum values (a discriminator)."""
+    both require allows disjoint values (a discriminator)."""
     ta, tb = types_of(a), types_of(b)
     if ta is not None and tb is not None and not (widen(ta) & widen(tb)):
         return True
@@ -144,7 +158,7 @@ def disjoint(a: Any, b: Any) -> bool:
         return False
     both = {n for n in ra if isinstance(n, str)} & {n for n in rb if isinstance(n, str)}
     for name in both:
-        va, vb = literal_values(pa.get(name)), literal_values(pb.get(name))
+        va, vb = _discriminator(pa.get(name)), _discriminator(pb.get(name))
         if va is not None and vb is not None and not any(x == y and json_type(x) == json_type(y)
                                                          for x in va for y in vb):
             return True
