@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
+from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService, build_backend
 from fastdeploy.model_executor.guided_decoding.coverage import BACKEND_NAMES
 from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
 from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
@@ -71,9 +71,17 @@ class GuidedRuntime:
         tokenizer = get_tokenizer(model)
         # Half the cores per compile: the other half keeps decoding the unconstrained requests.
         threads = max(1, (os.cpu_count() or 2) // 2)
-        service = GrammarCompileService.from_tokenizer(tokenizer, vocab_size, backends=backends,
-                                                       stop_token_ids=stop_token_ids, timeout_s=timeout_s,
-                                                       cache_limit_bytes=cache_limit_bytes, compiler_threads=threads)
+        built = []
+        for name in backends:
+            try:
+                built.append(build_backend(name, tokenizer, vocab_size, stop_token_ids, threads))
+            except Exception as e:  # e.g. a tokenizer one backend cannot read: the other still serves
+                if len(backends) == 1:
+                    raise
+                logger.warning("grammar backend %s is unavailable: %s", name, e)
+        if not built:
+            raise RuntimeError("no grammar backend could load this model's tokenizer")
+        service = GrammarCompileService(built, timeout_s=timeout_s, cache_limit_bytes=cache_limit_bytes)
         reasoning = get_reasoning_parser(reasoning_parser)(tokenizer) if reasoning_parser else None
         return _Boot(service, reasoning)
 
