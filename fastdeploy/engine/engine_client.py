@@ -9,7 +9,9 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -38,6 +40,19 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+@dataclass
+class EngineStats:
+    """What one engine (or data-parallel replica) reports for /metrics: gauges now, counters
+    since the server started."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    spec_decode: SpecDecodeStats | None
+
+
 @contextlib.contextmanager
 def cuda_visible_devices(devices: str | None) -> Iterator[None]:
     """CUDA_VISIBLE_DEVICES set to `devices` while inside (a spawned process copies the environment)."""
@@ -54,12 +69,54 @@ def cuda_visible_devices(devices: str | None) -> Iterator[None]:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-class AsyncEngineClient:
+class EngineHandle(Protocol):
+    """A running engine process, wherever it runs: the addresses its sockets bind, and its life."""
+
+    in_address: str  # the engine PULLs requests here
+    out_address: str  # and PUSHes its messages here
+    pid: int | None  # the process id where it is local to this process's host
+
+    def alive(self) -> bool: ...
+
+    async def stop(self, timeout_s: float) -> None: ...
+
+
+class LocalEngine:
+    """The engine as a child process, reached over ipc sockets in a private (0700) directory."""
+
     def __init__(self, config: EngineConfig, visible_devices: str | None = None) -> None:
         """`visible_devices`: CUDA_VISIBLE_DEVICES of the engine and its workers (a data-parallel
         replica's own GPUs); None leaves the environment as it is."""
+        self.ipc_dir = make_ipc_dir()
+        self.in_address = endpoint(self.ipc_dir, "engine_in")
+        self.out_address = endpoint(self.ipc_dir, "engine_out")
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_engine, args=(config, self.ipc_dir, os.getpid()),
+                                     name="fastdeploy-engine")
+        with cuda_visible_devices(visible_devices):
+            self.process.start()
+        self.pid = self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    async def stop(self, timeout_s: float) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, timeout_s)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, launch: Callable[[EngineConfig], EngineHandle] = LocalEngine) -> None:
+        """`launch` starts the engine process (a local child by default; a Ray actor's for a
+        data-parallel replica placed by Ray) and returns its handle."""
         self.config = config
-        self.visible_devices = visible_devices
+        self._launch = launch
+        self.engine: EngineHandle | None = None
         self.limits: EngineLimits | None = None
         self.dead_reason: str | None = None
         self.num_running = 0
@@ -73,21 +130,26 @@ class AsyncEngineClient:
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._output_task: asyncio.Task | None = None
         self.worker_pid: int | None = None
+        self.ctx: zmq.asyncio.Context | None = None
 
     @property
     def healthy(self) -> bool:
         return self.dead_reason is None and self.limits is not None
 
+    def replica_of(self, request_id: str) -> int | None:
+        """The data-parallel replica serving a request: none here, one engine serves them all."""
+        return None
+
+    def engine_stats(self) -> list[tuple[int | None, EngineStats, bool]]:
+        """(replica, its report, whether it serves) for each engine behind this client."""
+        return [(None, EngineStats(self.num_running, self.num_waiting, self.kv_usage, self.prefix_cache_queries,
+                                   self.prefix_cache_hits, self.spec_decode), self.healthy)]
+
     async def start(self, startup_timeout_s: float = 600.0) -> None:
-        self.ipc_dir = make_ipc_dir()
+        self.engine = await asyncio.to_thread(self._launch, self.config)
         self.ctx = zmq.asyncio.Context()
-        self.in_sock = socket(self.ctx, zmq.PUSH, endpoint(self.ipc_dir, "engine_in"), bind=False)
-        self.out_sock = socket(self.ctx, zmq.PULL, endpoint(self.ipc_dir, "engine_out"), bind=False)
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_engine, args=(self.config, self.ipc_dir, os.getpid()),
-                                     name="fastdeploy-engine")
-        with cuda_visible_devices(self.visible_devices):
-            self.process.start()
+        self.in_sock = socket(self.ctx, zmq.PUSH, self.engine.in_address, bind=False)
+        self.out_sock = socket(self.ctx, zmq.PULL, self.engine.out_address, bind=False)
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if await self.out_sock.poll(200):
@@ -97,7 +159,7 @@ class AsyncEngineClient:
                     break
                 if isinstance(message, EngineDead):
                     raise EngineDeadError(f"engine failed to start:\n{message.message}")
-            if not self.process.is_alive():
+            if not self.engine.alive():
                 raise EngineDeadError("engine process exited during start-up")
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"engine not ready after {startup_timeout_s:.0f} s")
@@ -124,7 +186,7 @@ class AsyncEngineClient:
                             queue.put_nowait(delta)
                 elif isinstance(message, EngineDead):
                     self._fail_all(f"engine stopped: {message.message}")
-            elif not self.process.is_alive():
+            elif not self.engine.alive():
                 self._fail_all("engine process exited")
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
@@ -151,13 +213,9 @@ class AsyncEngineClient:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         if self._output_task is not None:
             self._output_task.cancel()
-        if self.process.is_alive():
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, timeout_s)
-            if self.process.is_alive():
-                self.process.kill()
-                await asyncio.to_thread(self.process.join, timeout_s)
-        self.in_sock.close()
-        self.out_sock.close()
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.engine is not None:
+            await self.engine.stop(timeout_s)
+        if self.ctx is not None:
+            self.in_sock.close()
+            self.out_sock.close()
+            self.ctx.term()

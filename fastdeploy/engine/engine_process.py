@@ -35,8 +35,12 @@ GAUGE_INTERVAL_S = 1.0
 STATS_LOG_INTERVAL_S = 10.0  # the engine's stats line while it has work
 
 
-def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int) -> None:
-    """Entry point of the engine process (spawned by the API server)."""
+def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int, in_address: str | None = None,
+               out_address: str | None = None) -> None:
+    """Entry point of the engine process (spawned by the API server, or by a Ray actor that hosts
+    a data-parallel replica). Its request and output sockets bind `in_address` / `out_address`,
+    by default ipc endpoints in `ipc_dir`, where its workers' sockets always are. It exits when
+    the process `client_pid` does."""
     stopping = False
 
     def on_sigterm(*_: object) -> None:
@@ -47,8 +51,8 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API server, which stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     ctx = zmq.Context()
-    in_sock = socket(ctx, zmq.PULL, endpoint(ipc_dir, "engine_in"), bind=True)
-    out_sock = socket(ctx, zmq.PUSH, endpoint(ipc_dir, "engine_out"), bind=True)
+    in_sock = socket(ctx, zmq.PULL, in_address or endpoint(ipc_dir, "engine_in"), bind=True)
+    out_sock = socket(ctx, zmq.PUSH, out_address or endpoint(ipc_dir, "engine_out"), bind=True)
     encoder = msgspec.msgpack.Encoder(enc_hook=encode_buffers)  # deltas' sampling masks
     executor = None
     try:

@@ -19,11 +19,11 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
+from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineStats, LocalEngine
 from fastdeploy.engine.limits import EngineLimits
 from fastdeploy.engine.request import EngineRequest, RequestDelta
 from fastdeploy.spec_decode.stats import SpecDecodeStats
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 AFFINITY_TOKENS = 64  # the prompt start that keys prefix affinity
 AFFINITY_ENTRIES = 4096  # remembered prompt starts (least recently used dropped)
 RESTART_DELAY_S = 1.0
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 def affinity_key(prompt_token_ids: list[int]) -> bytes:
@@ -89,18 +90,38 @@ def replica_devices(config: EngineConfig, index: int) -> str | None:
 class ReplicaSet:
     """N replicas of the engine; the API server's client when --data-parallel-size > 1."""
 
-    def __init__(self, config: EngineConfig, size: int,
-                 make_client: Callable[[EngineConfig, int], AsyncEngineClient] | None = None) -> None:
+    def __init__(self, config: EngineConfig, size: int, backend: str = "mp", ray_address: str | None = None) -> None:
+        """`backend`: "mp" runs the replicas as local processes (on CUDA, replica i on GPUs
+        i*tp .. i*tp+tp-1); "ray" places each in a Ray placement-group bundle, on the cluster at
+        `ray_address` (or RAY_ADDRESS), or on a local Ray started for it."""
         if size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
+        if backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"unknown --data-parallel-backend {backend!r}; expected one of {DATA_PARALLEL_BACKENDS}")
         self.config = config
-        self._make_client = make_client or local_replica_client
-        self.replicas = [Replica(i, self._make_client(config, i)) for i in range(size)]
+        self.backend = backend
+        self.ray_address = ray_address
+        self._placement = None  # ray: the replicas' placement group, made in start()
+        self.replicas = [Replica(i, self._make_client(i)) for i in range(size)]
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
+        self._assigned: dict[str, int] = {}  # live request id -> the replica serving it
         self._monitor: asyncio.Task | None = None
         self._stopping = False
 
+    def _make_client(self, index: int) -> AsyncEngineClient:
+        if self.backend == "ray":
+            from fastdeploy.engine.ray_engine import RayEngine
+
+            return AsyncEngineClient(self.config, launch=lambda c: RayEngine(c, self._placement, index))
+        devices = replica_devices(self.config, index)
+        return AsyncEngineClient(self.config, launch=lambda c: LocalEngine(c, visible_devices=devices))
+
     async def start(self) -> None:
+        if self.backend == "ray":
+            from fastdeploy.engine.ray_engine import ReplicaPlacement, connect_ray
+
+            await asyncio.to_thread(connect_ray, self.ray_address)
+            self._placement = await asyncio.to_thread(ReplicaPlacement, self.config, len(self.replicas))
         await asyncio.gather(*(r.client.start() for r in self.replicas))
         self._monitor = asyncio.create_task(self._watch())
 
@@ -137,28 +158,27 @@ class ReplicaSet:
         return sum(r.client.kv_usage for r in self.replicas) / len(self.replicas)
 
     # Counters are totals since the server started: a restarted replica's client starts from
-    # zero, so what its predecessors counted is kept in `retired`.
+    # zero, so what its predecessors counted is kept in `Replica.retired`.
 
-    @property
-    def prefix_cache_queries(self) -> int:
-        return sum(r.client.prefix_cache_queries + r.retired.prefix_cache_queries for r in self.replicas)
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return sum(r.client.prefix_cache_hits + r.retired.prefix_cache_hits for r in self.replicas)
-
-    @property
-    def spec_decode(self) -> SpecDecodeStats | None:
-        if self.config.speculative is None:
-            return None
-        total = SpecDecodeStats()
+    def engine_stats(self) -> list[tuple[int | None, EngineStats, bool]]:
+        out = []
         for r in self.replicas:
-            for stats in (r.client.spec_decode, r.retired.spec_decode):
-                if stats is not None:
-                    total.num_draft_tokens += stats.num_draft_tokens
-                    total.num_accepted_draft_tokens += stats.num_accepted_draft_tokens
-                    total.num_verified_sequences += stats.num_verified_sequences
-        return total
+            c, old = r.client, r.retired
+            spec = None
+            if self.config.speculative is not None:
+                spec = SpecDecodeStats()
+                for stats in (c.spec_decode, old.spec_decode):
+                    if stats is not None:
+                        spec.num_draft_tokens += stats.num_draft_tokens
+                        spec.num_accepted_draft_tokens += stats.num_accepted_draft_tokens
+                        spec.num_verified_sequences += stats.num_verified_sequences
+            out.append((r.index, EngineStats(c.num_running, c.num_waiting, c.kv_usage,
+                                             c.prefix_cache_queries + old.prefix_cache_queries,
+                                             c.prefix_cache_hits + old.prefix_cache_hits, spec), r.live))
+        return out
+
+    def replica_of(self, request_id: str) -> int | None:
+        return self._assigned.get(request_id)
 
     # Routing.
 
@@ -188,6 +208,7 @@ class ReplicaSet:
             replica = self.pick(request, frozenset(tried))
             tried.add(replica.index)
             replica.outstanding[request.request_id] = self._cost(request)
+            self._assigned[request.request_id] = replica.index
             first = True
             try:
                 async with contextlib.aclosing(replica.client.generate(request)) as deltas:
@@ -206,6 +227,7 @@ class ReplicaSet:
                     raise
             finally:
                 replica.outstanding.pop(request.request_id, None)
+                self._assigned.pop(request.request_id, None)
             logger.warning("replica %d is down; request %s goes to another replica", replica.index,
                            request.request_id)
 
@@ -225,7 +247,7 @@ class ReplicaSet:
         with contextlib.suppress(Exception):
             await replica.client.shutdown()
         while not self._stopping:
-            client = self._make_client(self.config, replica.index)
+            client = self._make_client(replica.index)
             try:
                 await client.start()
             except Exception as exc:  # noqa: BLE001 - a failed start is retried, never fatal to the server
@@ -245,8 +267,5 @@ class ReplicaSet:
         if self._monitor is not None:
             self._monitor.cancel()
         await asyncio.gather(*(r.client.shutdown() for r in self.replicas), return_exceptions=True)
-
-
-def local_replica_client(config: EngineConfig, index: int) -> AsyncEngineClient:
-    """Replica `index` as local processes; on CUDA it sees only its own GPUs."""
-    return AsyncEngineClient(config, visible_devices=replica_devices(config, index))
+        if self._placement is not None:
+            self._placement.remove()

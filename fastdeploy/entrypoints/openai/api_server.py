@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_client import AsyncEngineClient
+from fastdeploy.engine.replicas import DATA_PARALLEL_BACKENDS, ReplicaSet
 from fastdeploy.engine.errors import ParameterError
 from fastdeploy.entrypoints.openai.body_guard import BodyGuard
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_message
@@ -45,6 +46,14 @@ def make_parser() -> argparse.ArgumentParser:
                         help="model name(s) clients use; default: the model file's stem")
     parser.add_argument("--log-level", default="info")
     TransportLimits.add_cli_args(parser)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine replicas behind this server, each with its own engine, workers and KV "
+                             "pool; requests go to the replica with the fewest outstanding tokens")
+    parser.add_argument("--data-parallel-backend", choices=list(DATA_PARALLEL_BACKENDS), default="mp",
+                        help="mp: replicas as local processes (on CUDA, replica i on GPUs i*tp..i*tp+tp-1); ray: "
+                             "replicas as Ray actors in a placement group (pip install ray)")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to place replicas on (default: RAY_ADDRESS, else a local Ray)")
     return EngineArgs.add_cli_args(parser)
 
 
@@ -61,8 +70,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     transport_limits = TransportLimits.from_cli_args(args)
     config = engine_args.create_engine_config()
     names = served_names(args)
-    metrics = ServerMetrics()
-    client = AsyncEngineClient(config)
+    metrics = ServerMetrics(replicas=args.data_parallel_size)
+    client = (ReplicaSet(config, args.data_parallel_size, args.data_parallel_backend, args.ray_address)
+              if args.data_parallel_size > 1 else AsyncEngineClient(config))
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -121,17 +131,18 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if client.healthy and getattr(client, "degraded", False):
+            # Data parallelism: some replicas are down (and restarting); the rest serve.
+            down = [replica for replica, _, up in client.engine_stats() if not up]
+            return JSONResponse({"status": "degraded", "replicas_down": down}, status_code=200)
         if client.healthy:
             return Response(status_code=200)
         return APIError(503, f"engine unavailable: {client.dead_reason}", "service_unavailable").response()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        metrics.running.set(client.num_running)
-        metrics.waiting.set(client.num_waiting)
-        metrics.kv_usage.set(client.kv_usage)
-        metrics.update_spec_decode(client.spec_decode)
-        metrics.update_prefix_cache(client.prefix_cache_queries, client.prefix_cache_hits)
+        for replica, stats, up in client.engine_stats():
+            metrics.update_engine(stats, replica, up)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

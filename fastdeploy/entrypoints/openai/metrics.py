@@ -1,57 +1,101 @@
-"""Prometheus metrics of the API server (its own registry, so several servers can coexist in tests)."""
+"""Prometheus metrics of the API server (its own registry, so several servers can coexist in tests).
+
+With data-parallel replicas every series carries a `replica` label: the engine's gauges and
+counters come from each replica, and each request's counters from the replica that served it.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from fastdeploy.engine.engine_client import EngineStats
 from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+class RequestSeries:
+    """The series one request updates, bound to its replica's label where there is one."""
+
+    def __init__(self, metrics: ServerMetrics, replica: int | None) -> None:
+        pick = metrics.labelled(replica)
+        self.ttft = pick(metrics.ttft)
+        self.itl = pick(metrics.itl)
+        self.prompt_tokens = pick(metrics.prompt_tokens)
+        self.generation_tokens = pick(metrics.generation_tokens)
+        self._requests = metrics.requests
+        self._replica = replica
+
+    def finished(self, reason: str) -> None:
+        if self._replica is None:
+            self._requests.labels(finish_reason=reason).inc()
+        else:
+            self._requests.labels(finish_reason=reason, replica=str(self._replica)).inc()
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, replicas: int = 1) -> None:
+        """`replicas` > 1: every series gets a `replica` label."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self.by_replica = replicas > 1
+        per = ["replica"] if self.by_replica else []
         self.requests = Counter("fastdeploy_requests", "Finished sequences by finish reason",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("fastdeploy_prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("fastdeploy_generation_tokens", "Tokens generated", registry=r)
-        self.running = Gauge("fastdeploy_num_requests_running", "Sequences in the running batch", registry=r)
-        self.waiting = Gauge("fastdeploy_num_requests_waiting", "Sequences queued for admission", registry=r)
-        self.kv_usage = Gauge("fastdeploy_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
-        self.ttft = Histogram("fastdeploy_time_to_first_token_seconds", "Arrival to first token",
+                                ["finish_reason", *per], registry=r)
+        self.prompt_tokens = Counter("fastdeploy_prompt_tokens", "Prompt tokens received", per, registry=r)
+        self.generation_tokens = Counter("fastdeploy_generation_tokens", "Tokens generated", per, registry=r)
+        self.running = Gauge("fastdeploy_num_requests_running", "Sequences in the running batch", per, registry=r)
+        self.waiting = Gauge("fastdeploy_num_requests_waiting", "Sequences queued for admission", per, registry=r)
+        self.kv_usage = Gauge("fastdeploy_kv_cache_usage_ratio", "Fraction of KV blocks in use", per, registry=r)
+        self.ttft = Histogram("fastdeploy_time_to_first_token_seconds", "Arrival to first token", per,
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.spec_draft_tokens = Counter("fastdeploy_spec_decode_num_draft_tokens", "Draft tokens verified",
+        self.itl = Histogram("fastdeploy_inter_token_latency_seconds", "Time between consecutive token deltas",
+                             per, buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_draft_tokens = Counter("fastdeploy_spec_decode_num_draft_tokens", "Draft tokens verified", per,
                                          registry=r)
         self.spec_accepted_tokens = Counter("fastdeploy_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                            registry=r)
+                                            per, registry=r)
         self.spec_acceptance_rate = Gauge("fastdeploy_spec_decode_draft_acceptance_rate",
-                                          "Accepted / verified draft tokens since start", registry=r)
+                                          "Accepted / verified draft tokens since start", per, registry=r)
         self.spec_mean_accepted_length = Gauge("fastdeploy_spec_decode_mean_accepted_length",
                                                "Tokens emitted per sequence per verifying step since start",
-                                               registry=r)
-        self._spec_seen = SpecDecodeStats()
+                                               per, registry=r)
         self.prefix_cache_queries = Counter("fastdeploy_prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache", registry=r)
+                                            "Prompt tokens looked up in the prefix cache", per, registry=r)
         self.prefix_cache_hits = Counter("fastdeploy_prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache", registry=r)
-        self._prefix_seen = (0, 0)
-        self.itl = Histogram("fastdeploy_inter_token_latency_seconds", "Time between consecutive token deltas",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                                         "Prompt tokens found in the prefix cache", per, registry=r)
+        self.replica_up = (Gauge("fastdeploy_replica_up", "1 while the replica serves, 0 while it is down",
+                                 per, registry=r) if self.by_replica else None)
+        # Counter totals already exported, per replica (None: the single engine).
+        self._spec_seen: dict[int | None, SpecDecodeStats] = {}
+        self._prefix_seen: dict[int | None, tuple[int, int]] = {}
 
-    def update_prefix_cache(self, queries: int, hits: int) -> None:
-        """Bring the counters up to the engine's totals (tokens since start)."""
-        self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
-        self.prefix_cache_hits.inc(hits - self._prefix_seen[1])
-        self._prefix_seen = (queries, hits)
+    def labelled(self, replica: int | None):
+        """metric -> its series for `replica` (the metric itself without replica labels)."""
+        if not self.by_replica or replica is None:
+            return lambda metric: metric
+        return lambda metric: metric.labels(replica=str(replica))
 
-    def update_spec_decode(self, stats: SpecDecodeStats | None) -> None:
-        """Bring the counters up to the engine's running totals."""
-        if stats is None:
-            return
-        self.spec_draft_tokens.inc(stats.num_draft_tokens - self._spec_seen.num_draft_tokens)
-        self.spec_accepted_tokens.inc(stats.num_accepted_draft_tokens - self._spec_seen.num_accepted_draft_tokens)
-        self.spec_acceptance_rate.set(stats.acceptance_rate)
-        self.spec_mean_accepted_length.set(stats.mean_accepted_length)
-        self._spec_seen = stats
+    def for_request(self, replica: int | None) -> RequestSeries:
+        return RequestSeries(self, replica if self.by_replica else None)
+
+    def update_engine(self, stats: EngineStats, replica: int | None = None, up: bool = True) -> None:
+        """Set the engine-side series from one engine's (or replica's) report."""
+        pick = self.labelled(replica)
+        pick(self.running).set(stats.num_running)
+        pick(self.waiting).set(stats.num_waiting)
+        pick(self.kv_usage).set(stats.kv_usage)
+        if self.replica_up is not None and replica is not None:
+            pick(self.replica_up).set(1 if up else 0)
+        queries, hits = self._prefix_seen.get(replica, (0, 0))
+        pick(self.prefix_cache_queries).inc(stats.prefix_cache_queries - queries)
+        pick(self.prefix_cache_hits).inc(stats.prefix_cache_hits - hits)
+        self._prefix_seen[replica] = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        spec = stats.spec_decode
+        if spec is not None:
+            seen = self._spec_seen.get(replica, SpecDecodeStats())
+            pick(self.spec_draft_tokens).inc(spec.num_draft_tokens - seen.num_draft_tokens)
+            pick(self.spec_accepted_tokens).inc(spec.num_accepted_draft_tokens - seen.num_accepted_draft_tokens)
+            pick(self.spec_acceptance_rate).set(spec.acceptance_rate)
+            pick(self.spec_mean_accepted_length).set(spec.mean_accepted_length)
+            self._spec_seen[replica] = spec

@@ -128,26 +128,29 @@ class OpenAIServing:
             state = RequestOutputState(engine_request.params, self.tokenizer, self.token_texts)
             arrival = time.monotonic()
             last = None
+            series = self.metrics.for_request(None)
             try:
                 async with contextlib.aclosing(self.client.generate(engine_request)) as deltas:
                     async for delta in deltas:
+                        if last is None:  # the replica serving it is known once it answers
+                            series = self.metrics.for_request(self.client.replica_of(engine_request.request_id))
                         chunk = state.update(delta)
                         now = time.monotonic()
                         if chunk.token_ids:
                             if last is None:
-                                self.metrics.ttft.observe(now - arrival)
-                                self.metrics.prompt_tokens.inc(chunk.num_prompt_tokens)
+                                series.ttft.observe(now - arrival)
+                                series.prompt_tokens.inc(chunk.num_prompt_tokens)
                             else:
-                                self.metrics.itl.observe(now - last)
+                                series.itl.observe(now - last)
                             last = now
-                            self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                            series.generation_tokens.inc(len(chunk.token_ids))
                         await queue.put(ChoiceEvent(index, chunk))
                         if chunk.finish_reason is not None:
-                            self.metrics.requests.labels(chunk.finish_reason).inc()
+                            series.finished(chunk.finish_reason)
                             break
             except asyncio.CancelledError:
                 # The client went away (or a sibling choice failed): its engine request is aborted.
-                self.metrics.requests.labels("abort").inc()
+                series.finished("abort")
                 raise
             except BaseException as exc:  # surfaced to the consumer
                 await queue.put(exc)
