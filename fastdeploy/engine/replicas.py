@@ -40,6 +40,10 @@ def affinity_key(prompt_token_ids: list[int]) -> bytes:
     return hashlib.blake2b(array("q", prompt_token_ids[:AFFINITY_TOKENS]).tobytes(), digest_size=8).digest()
 
 
+def prompt_key(prompt_token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", prompt_token_ids).tobytes(), digest_size=16).digest()
+
+
 @dataclass
 class RetiredCounts:
     """What the earlier clients of a restarted replica counted (totals since start)."""
@@ -105,6 +109,7 @@ class ReplicaSet:
         self.replicas = [Replica(i, self._make_client(i)) for i in range(size)]
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
         self._assigned: dict[str, int] = {}  # live request id -> the replica serving it
+        self._in_flight: dict[bytes, tuple[int, int]] = {}  # whole prompt -> (replica, requests in flight)
         self._monitor: asyncio.Task | None = None
         self._stopping = False
 
@@ -193,7 +198,12 @@ class ReplicaSet:
         least = min(r.load for r in live)
         key = affinity_key(request.prompt_token_ids)
         preferred = self._affinity.get(key)
-        chosen = next((r for r in live if r.index == preferred and r.load <= least + self._cost(request)), None)
+        # The same prompt in flight (the samples of an n > 1 request) goes where it is: the
+        # group shares its blocks there; groups, not samples, are what the load balances.
+        group = self._in_flight.get(prompt_key(request.prompt_token_ids))
+        chosen = next((r for r in live if group is not None and r.index == group[0]), None)
+        if chosen is None:
+            chosen = next((r for r in live if r.index == preferred and r.load <= least + self._cost(request)), None)
         if chosen is None:
             chosen = min(live, key=lambda r: (r.load, r.index))
         self._affinity[key] = chosen.index
@@ -209,6 +219,8 @@ class ReplicaSet:
             tried.add(replica.index)
             replica.outstanding[request.request_id] = self._cost(request)
             self._assigned[request.request_id] = replica.index
+            whole = prompt_key(request.prompt_token_ids)
+            self._in_flight[whole] = (replica.index, self._in_flight.get(whole, (replica.index, 0))[1] + 1)
             first = True
             try:
                 async with contextlib.aclosing(replica.client.generate(request)) as deltas:
@@ -228,6 +240,9 @@ class ReplicaSet:
             finally:
                 replica.outstanding.pop(request.request_id, None)
                 self._assigned.pop(request.request_id, None)
+                index, count = self._in_flight.pop(whole)
+                if count > 1:
+                    self._in_flight[whole] = (index, count - 1)
             logger.warning("replica %d is down; request %s goes to another replica", replica.index,
                            request.request_id)
 

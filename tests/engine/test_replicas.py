@@ -13,7 +13,7 @@ import pytest
 
 from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.engine.engine_client import AsyncEngineClient
-from fastdeploy.engine.replicas import ReplicaSet, replica_devices
+from fastdeploy.engine.replicas import ReplicaSet, prompt_key, replica_devices
 from fastdeploy.engine.request import EngineRequest
 from fastdeploy.engine.sampling_params import SamplingParams
 from tests.random_qwen2 import save_random_qwen2
@@ -121,3 +121,19 @@ def test_ray_places_the_replicas_and_restarts_a_dead_one(config, monkeypatch):
     assert all(a.startswith("tcp://") for a in addresses) and len(set(addresses)) == 2
     assert seen_s < 5.0 and during == first[0] and restarts == 1
     assert after == first  # greedy, the same prompts: the restarted replica answers as before
+
+
+def test_the_samples_of_one_prompt_stay_together(config):
+    replicas = ReplicaSet(config, 2)  # not started: routing only
+    for r in replicas.replicas:
+        r.client.limits = object()
+    prompt = list(range(5, 40))
+    group = []
+    for i in range(8):  # an n = 8 request: eight requests of one prompt, all in flight
+        chosen = replicas.pick(_request(i, prompt, max_tokens=64))
+        chosen.outstanding[f"r{i}"] = 100
+        replicas._in_flight[prompt_key(prompt)] = (chosen.index, i + 1)
+        group.append(chosen.index)
+    assert len(set(group)) == 1
+    other = replicas.pick(_request(9, list(range(100, 140))))  # another prompt balances the load
+    assert other.index != group[0]
