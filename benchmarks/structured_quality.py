@@ -153,6 +153,7 @@ def measure_setting(setting: str, files: list[Path], llm: LLM, args) -> tuple[di
         "by_backend": {b: sum(r.get("backend") == b for r in rows) for b in ("xgrammar", "llguidance")},
         "compile_ms_p50": pct(compile_ms, 0.5), "compile_ms_p99": pct(compile_ms, 0.99),
         "mask_us_per_token": round(statistics.fmean(mask_us), 1) if mask_us else None,
+        "mask_us_p50": round(pct(mask_us, 0.5), 1) if mask_us else None,
         "tok_s": round(tokens / constrained_s, 1) if tokens else None,
         "unconstrained_tok_s": round(tokens / free_s, 1) if tokens else None,
         "refusal_keywords": sorted({r["keyword"] for r in rows if r.get("keyword")}),
@@ -203,7 +204,7 @@ def main() -> None:
         summaries.append(summary)
         rows.extend(setting_rows)
     print_table(summaries, ["setting", "schemas", "refused", "compile_error", "compiled", "finished", "valid", "invalid",
-                            "length", "pass_rate", "compile_ms_p50", "compile_ms_p99", "mask_us_per_token",
+                            "length", "pass_rate", "compile_ms_p50", "compile_ms_p99", "mask_us_per_token", "mask_us_p50",
                             "tok_s", "unconstrained_tok_s"])
     for s in summaries:
         print(f"{s['setting']}: refusals name {', '.join(s['refusal_keywords']) or 'nothing'}; by backend {s['by_backend']}")
