@@ -13,6 +13,7 @@ from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_conf
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path
 from fastdeploy.model_executor.model_loader.fp8 import dequantize_fp8_weights
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_model_config, load_gguf_weights
+from fastdeploy.model_executor.model_loader.gguf_quantized import keep_gguf_quantized
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config, load_safetensors_weights
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 
@@ -51,8 +52,15 @@ def get_model(
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    gguf_quantized: bool | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model in eval mode on `device`/`dtype` and fill its weights."""
+    """Build the model in eval mode on `device`/`dtype` and fill its weights.
+
+    `gguf_quantized`: on the CPU, a GGUF's Q4_1 projections stay 4-bit (gguf_quantized.py).
+    None (the default) does so when `dtype` is bfloat16: the 4-bit matmul computes in bfloat16,
+    which moves greedy output off the float32 reference (docs/models.md has the measurements),
+    so float32 keeps every weight dequantized and exact. GPUs always get dequantized weights.
+    """
     path = resolve_model_path(model)
     fmt = _load_format(path, load_format)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -80,6 +88,10 @@ def get_model(
         missing = sorted(set(dict(net.named_parameters())) - loaded)
         if missing:
             raise ValueError(f"{path}: weights missing from the checkpoint: {missing[:8]}")
+        if gguf_quantized is None:
+            gguf_quantized = dtype == torch.bfloat16
+        if fmt == "gguf" and gguf_quantized and torch.device(device).type == "cpu":
+            keep_gguf_quantized(net, reader, config)
     net.eval().requires_grad_(False)
     return net, config
 

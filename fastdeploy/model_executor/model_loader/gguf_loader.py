@@ -92,7 +92,7 @@ def gguf_model_config(path_or_reader: str | gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo convert_hf_to_gguf.py's Q/K row permutation (llama only).
 
     llama.cpp interleaves the two rotary halves of each head (GPT-J style RoPE); HF's
@@ -126,7 +126,7 @@ def load_gguf_weights(
         w = np.array(w, dtype=np.float32, copy=True).reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if config.architecture == "llama":
             if ".q_proj." in name:
-                w = _reverse_permute(w, config.num_attention_heads)
+                w = reverse_permute(w, config.num_attention_heads)
             elif ".k_proj." in name:
-                w = _reverse_permute(w, config.num_key_value_heads)
+                w = reverse_permute(w, config.num_key_value_heads)
         yield name, torch.from_numpy(w)

@@ -1,0 +1,120 @@
+"""CPU decode step of the embedded SmolLM2 GGUF: dequantized float32 weights vs 4-bit weights kept quantized.
+
+    python benchmarks/cpu_decode.py [--batch-sizes 1 16] [--steps 32] [--context 128] [--threads 2]
+
+Every path loads the same Q4_1/Q8_0 file and runs the same model code in this process:
+
+- float32: every weight dequantized to float32 (`get_model(gguf_quantized=False)`).
+- int4 + float32: the Q4_1 projections kept 4-bit (`layers/quantized_linear.py`, bfloat16
+  activations into the matmul only); norms, attention, KV cache, embedding and LM head float32.
+- bfloat16: every weight dequantized to bfloat16, the whole model in bfloat16.
+- int4 + bfloat16: the 4-bit projections with the rest of the model in bfloat16.
+
+A decode step is what the model runner does per step: the forward pass over one new token
+per sequence (each with `--context` tokens already in the paged KV cache), the float32
+logits and their argmax. tok/s = batch / median step time over `--steps` steps after warm-up.
+llama.cpp is not in this run: no llama-cpp-python wheel is published for this platform and
+building it from source is out of scope here; benchmarks/offline_throughput.py has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
+from fastdeploy.model_executor.layers.attention import allocate_kv_caches  # noqa: E402
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from fastdeploy.model_executor.model_loader import get_model  # noqa: E402
+
+BLOCK_SIZE = 16
+# name -> (get_model dtype, keep the GGUF's Q4_1 projections 4-bit)
+PATHS = {
+    "float32": (torch.float32, False),
+    "int4 + float32": (torch.float32, True),
+    "bfloat16": (torch.bfloat16, False),
+    "int4 + bfloat16": (torch.bfloat16, True),
+}
+
+
+@torch.inference_mode()
+def step_seconds(model, config, dtype: torch.dtype, batch: int, context: int, steps: int) -> list[float]:
+    """Wall seconds of each of `steps` decode steps at `batch` sequences of `context` cached tokens."""
+    blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
+    caches = allocate_kv_caches(config, batch * blocks_per_seq, BLOCK_SIZE, dtype, "cpu")
+    for cache in caches:  # cached keys and values of a plausible scale; their values do not change the cost
+        cache.normal_(0, 1)
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
+    slots = tables[:, context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
+                             decode_context_lens=torch.full((batch,), context + 1), prefills=[],
+                             block_size=BLOCK_SIZE)  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (batch,))
+    positions = torch.full((batch,), context)
+    times = []
+    for i in range(steps + 3):  # 3 warm-up steps
+        t = time.perf_counter()
+        hidden = model(ids, positions, meta, caches)
+        ids = model.compute_logits(hidden).argmax(-1)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    info = machine_info()
+    print_machine(info)
+
+    rows = []
+    for name in args.paths:
+        dtype, quantized = PATHS[name]
+        model, config = get_model(None, dtype=dtype, gguf_quantized=quantized)
+        for batch in args.batch_sizes:
+            times = step_seconds(model, config, dtype, batch, args.context, args.steps)
+            median = statistics.median(times)
+            rows.append({"path": name, "batch": batch, "step_ms": median * 1e3, "tok_s": batch / median,
+                         "step_ms_min": min(times) * 1e3})
+        del model
+    base = {r["batch"]: r["tok_s"] for r in rows if r["path"] == "float32"}
+    for r in rows:
+        r["vs_float32"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
+    print_table(rows, ["path", "batch", "step_ms", "step_ms_min", "tok_s", "vs_float32"])
+
+    payload = {"machine": info, "args": vars(args), "rows": rows}
+    print("wrote", write_json("cpu_decode", payload))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    width = 0.8 / len(args.paths)
+    for j, name in enumerate(args.paths):
+        values = [next((r["tok_s"] for r in rows if r["path"] == name and r["batch"] == b), 0)
+                  for b in args.batch_sizes]
+        ax.bar([i + j * width for i in range(len(args.batch_sizes))], values, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(args.batch_sizes))],
+                  [f"batch {b}" for b in args.batch_sizes])
+    ax.set_ylabel("decode tok/s", fontsize=8)
+    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, CPU decode step, {args.threads} threads, context {args.context}",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path("cpu_decode"), dpi=120)
+    print("wrote", png_path("cpu_decode"))
+
+
+if __name__ == "__main__":
+    main()
