@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
 
     def out(self, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj of this rank's heads, summed over ranks; the bias (row-parallel) is added once, after the sum."""
-        if tp_size() == 1:  # the module itself: it may be a quantized linear (layers/quantized_linear.py)
+        if not isinstance(self.o_proj, nn.Linear):  # a 4-bit linear (layers/quantized_linear.py), never sharded
             return self.o_proj(attn_out)
         out = all_reduce(F.linear(attn_out, self.o_proj.weight))
         return out if self.o_proj.bias is None else out + self.o_proj.bias
