@@ -5,13 +5,14 @@ OpenAI's error shape, and the server is healthy and idle afterwards."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 
 from tests.e2e.conftest import API_KEY
 
@@ -20,10 +21,26 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # runs the model, so valid cases generate at most MAX_TOKENS tokens per choice.
 EXAMPLES = {schemathesis.GenerationMode.POSITIVE: 60, schemathesis.GenerationMode.NEGATIVE: 120}
 MAX_TOKENS = 3
+# The embedded vocabulary has no token for the bytes 0xF1 and 0xF2 (lead bytes of U+40000-U+BFFFF) nor for
+# a few control characters, so output constrained to such a character cannot start: a known 500, pinned by
+# test_bad_input.py::test_a_constraint_no_token_can_start_is_not_a_5xx. Such cases are left out here.
+UNREACHABLE = re.compile("[\x04\x06\x13\x14\x16\x1d\U00040000-\U000BFFFF]")
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+
+
+def unreachable_constraint(body: object) -> bool:
+    return isinstance(body, dict) and any(
+        UNREACHABLE.search(json.dumps(body.get(f), ensure_ascii=False)) for f in GUIDED if body.get(f) is not None)
 
 
 @pytest.fixture(scope="module")
-def api_schema(server):
+def log_start(server) -> int:
+    """Where the server's log stood before the fuzz."""
+    return len(server.log_text())
+
+
+@pytest.fixture(scope="module")
+def api_schema(server, log_start):
     return schemathesis.openapi.from_dict(httpx.get(f"{server.base_url}/openapi.json", timeout=10).json())
 
 
@@ -46,11 +63,15 @@ def shorten(body: object) -> None:
         body["max_tokens"] = MAX_TOKENS
 
 
+def sent(response) -> str:
+    return repr(response.request.body)[:2000]
+
+
 def check_response(response) -> None:
     """No 5xx; a 4xx in OpenAI's shape; a stream that ends with [DONE] and no internal error.
     (A body outside the schema may still be served: pydantic reads "5" as 5 for an integer.)"""
     status = response.status_code
-    assert status < 500, (status, response.content[:2000])
+    assert status < 500, (status, response.content[:2000], sent(response))
     if status >= 400:
         body = json.loads(response.content)
         assert set(body) == {"error"}, body
@@ -58,7 +79,7 @@ def check_response(response) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["message"], body
     elif (response.headers.get("content-type") or [""])[0].startswith("text/event-stream"):  # header: its values
         text = response.content.decode()
-        assert text.rstrip().endswith("data: [DONE]") and '"server_error"' not in text, text[-2000:]
+        assert text.rstrip().endswith("data: [DONE]") and '"server_error"' not in text, (text[-1000:], sent(response))
 
 
 @pytest.mark.parametrize("mode", list(EXAMPLES), ids=str)
@@ -70,6 +91,7 @@ def test_generated_requests_get_no_5xx_and_errors_in_shape(server, api_schema, t
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(case):
+        assume(not unreachable_constraint(case.body))
         shorten(case.body)
         response = case.call(base_url=server.base_url, headers=HEADERS, timeout=120)
         tally[response.status_code] += 1
@@ -78,7 +100,7 @@ def test_generated_requests_get_no_5xx_and_errors_in_shape(server, api_schema, t
     run()
 
 
-def test_server_is_healthy_and_idle_after_the_fuzz(server, api_schema):
+def test_server_is_healthy_and_idle_after_the_fuzz(server, api_schema, log_start):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     deadline = time.monotonic() + 15
     while True:
@@ -88,3 +110,6 @@ def test_server_is_healthy_and_idle_after_the_fuzz(server, api_schema):
             break
         time.sleep(0.2)
     assert idle, m
+    # Nothing went wrong quietly either: no process of the server logged a traceback.
+    log = server.log_text()[log_start:]
+    assert "Traceback" not in log, log[log.find("Traceback") - 2000:][:6000]

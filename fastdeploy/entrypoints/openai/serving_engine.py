@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,8 @@ from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, RequestOutputState
 
 DISCONNECT_POLL_S = 0.5
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,6 +121,11 @@ class OpenAIServing:
                     yield sse(wrap([], usage=usage(prompt_tokens, completion_tokens)))
         except APIError as exc:
             yield sse(exc.body())
+        except Exception as exc:
+            # A fault of ours: logged, and the client still gets an error event and the end of the stream
+            # (the headers are sent by now; raising would cut the body short without a word).
+            logger.exception("stream failed")
+            yield sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body())
         yield sse("[DONE]")
 
     async def run_choices(self, requests: list[EngineRequest]) -> AsyncIterator[ChoiceEvent]:
