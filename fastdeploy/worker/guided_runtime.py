@@ -169,7 +169,12 @@ class GuidedRuntime:
         """Feed `run` to the grammar; how many of its tokens stand."""
         for n, token in enumerate(run):
             if not state.accept(token):
-                if masked:
+                if masked and not bool(fill_bitmasks([state], self.vocab_size).any()):
+                    # The constraint allows no token here: it needs text the vocabulary cannot
+                    # spell (a character no token starts with). The request's fault, not ours.
+                    events.grammar_failed.append([seq_id, "no token of the model's vocabulary can continue the "
+                                                          "structured-output constraint at this point"])
+                elif masked:
                     # A sampled token outside the bitmask is a bug; it fails this request only.
                     logger.error("grammar rejected token %d of sequence %d", token, seq_id)
                     events.seq_errors.append([seq_id, f"internal error: the grammar rejected sampled token {token}"])
