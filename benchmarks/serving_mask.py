@@ -51,7 +51,7 @@ import psutil
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (RESULTS_DIR, free_port, machine_info, png_path, print_machine,  # noqa: E402
-                               print_table, pyplot, write_json)
+                               print_table, pyplot, tree_rss_mb, write_json)
 from benchmarks.serving import TOPICS, Server  # noqa: E402
 
 CASES = {"peaked": {"temperature": 1.0, "top_p": 0.9}, "flat": {"temperature": 1.5, "top_p": 0.99}}
@@ -67,14 +67,7 @@ class RunResult:
 
 def server_rss_mb(server: Server) -> float:
     """Resident memory of the server and every process it started (engine, worker)."""
-    root = psutil.Process(server.proc.pid)
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
+    return tree_rss_mb(server.proc.pid)
 
 
 def process_cpu_s(server: Server) -> dict[str, float]:

@@ -30,9 +30,10 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import tree_rss_mb  # noqa: E402
 
 KINDS = ("greedy_logprobs", "sampled_mask", "greedy_json", "greedy_stop", "seeded_n2")
 JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -175,18 +176,6 @@ def wait_drained(base_url: str, timeout_s: float = 30.0) -> dict[str, float]:
                 and m["fastdeploy_kv_cache_usage_ratio"] == 0) or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of the server and every process under it, in MiB."""
-    root = psutil.Process(pid)
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
 
 
 @dataclass
