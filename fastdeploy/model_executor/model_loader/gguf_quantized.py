@@ -69,8 +69,11 @@ def keep_gguf_quantized(net: LlamaForCausalLM, reader: gguf.GGUFReader, config: 
             if tp_size() > 1:
                 dense["tensor parallelism shards the dense weights"] += names
                 continue
+            if kinds <= {"F32", "F16", "BF16"}:
+                dense["not quantized in the file"] += names
+                continue
             if kinds != {"Q4_1"}:
-                dense[f"{'/'.join(sorted(kinds))} has no matching weight-only matmul in PyTorch"] += names
+                dense[f"{'/'.join(sorted(kinds))}: no exact weight-only matmul in PyTorch"] += names
                 continue
             full_name = f"model.layers.{i}.{module_name}"
             linear = net.get_submodule(full_name)
