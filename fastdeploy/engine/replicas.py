@@ -56,12 +56,7 @@ class RetiredCounts:
         self.prefix_cache_queries += client.prefix_cache_queries
         self.prefix_cache_hits += client.prefix_cache_hits
         if client.spec_decode is not None:
-            base = self.spec_decode or SpecDecodeStats()
-            self.spec_decode = SpecDecodeStats(base.num_draft_tokens + client.spec_decode.num_draft_tokens,
-                                               base.num_accepted_draft_tokens
-                                               + client.spec_decode.num_accepted_draft_tokens,
-                                               base.num_verified_sequences
-                                               + client.spec_decode.num_verified_sequences)
+            self.spec_decode = SpecDecodeStats.total([self.spec_decode, client.spec_decode])
 
 
 @dataclass
@@ -72,7 +67,7 @@ class Replica:
     outstanding: dict[str, int] = field(default_factory=dict)
     restarts: int = 0
     restarting: bool = False
-    retired: RetiredCounts = field(default_factory=lambda: RetiredCounts())
+    retired: RetiredCounts = field(default_factory=RetiredCounts)
 
     @property
     def live(self) -> bool:
@@ -169,14 +164,7 @@ class ReplicaSet:
         out = []
         for r in self.replicas:
             c, old = r.client, r.retired
-            spec = None
-            if self.config.speculative is not None:
-                spec = SpecDecodeStats()
-                for stats in (c.spec_decode, old.spec_decode):
-                    if stats is not None:
-                        spec.num_draft_tokens += stats.num_draft_tokens
-                        spec.num_accepted_draft_tokens += stats.num_accepted_draft_tokens
-                        spec.num_verified_sequences += stats.num_verified_sequences
+            spec = SpecDecodeStats.total([c.spec_decode, old.spec_decode]) if self.config.speculative else None
             out.append((r.index, EngineStats(c.num_running, c.num_waiting, c.kv_usage,
                                              c.prefix_cache_queries + old.prefix_cache_queries,
                                              c.prefix_cache_hits + old.prefix_cache_hits, spec), r.live))

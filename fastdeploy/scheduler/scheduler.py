@@ -193,6 +193,8 @@ class Scheduler:
             seq.num_registered_blocks = i + 1
 
     def _hash_full_blocks(self, seq: Sequence) -> None:
+        if len(seq.block_hashes) == seq.num_tokens // self.block_manager.block_size:
+            return  # every full block is hashed: skip joining prompt and output again
         extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_manager.block_size, self.prefix_root)
 
     def _uncached_running_blocks(self) -> set[bytes]:

@@ -17,6 +17,17 @@ class SpecDecodeStats(msgspec.Struct, array_like=True):
         self.num_accepted_draft_tokens += events.num_accepted_draft_tokens
         self.num_verified_sequences += events.num_verified_sequences
 
+    @staticmethod
+    def total(parts: list[SpecDecodeStats | None]) -> SpecDecodeStats:
+        """The sum of several engines' (or one replica's successive engines') totals."""
+        out = SpecDecodeStats()
+        for part in parts:
+            if part is not None:
+                out.num_draft_tokens += part.num_draft_tokens
+                out.num_accepted_draft_tokens += part.num_accepted_draft_tokens
+                out.num_verified_sequences += part.num_verified_sequences
+        return out
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_draft_tokens / max(1, self.num_draft_tokens)
