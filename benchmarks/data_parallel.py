@@ -32,7 +32,7 @@ from benchmarks.common import machine_info, png_path, print_machine, print_table
 
 
 def engine_config(args: argparse.Namespace):
-    from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+    from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                         guided_decoding_backend="off", cache=CacheConfig(num_blocks=args.num_kv_blocks),
@@ -41,8 +41,8 @@ def engine_config(args: argparse.Namespace):
 
 
 def request(i: int, max_tokens: int):
-    from fastdeploy.engine.request import EngineRequest
-    from fastdeploy.engine.sampling_params import SamplingParams
+    from fastdeploy.common.request import EngineRequest
+    from fastdeploy.common.sampling_params import SamplingParams
 
     return EngineRequest(f"b{i}-{time.monotonic_ns()}", [11 + i % 50, 7, 19, 23, 5],
                          SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))

@@ -65,10 +65,10 @@ def graph_replay_ms(graphs, batch: int, repeats: int = 20) -> float:
 
 
 def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[dict]]:
+    from fastdeploy.common.sampling_params import SamplingParams
+    from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput
     from fastdeploy.engine.args import EngineArgs
-    from fastdeploy.engine.sampling_params import SamplingParams
     from fastdeploy.worker.model_runner import ModelRunner
-    from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
 
     max_batch = max(args.batches)
     engine_args = EngineArgs(model=args.model, load_format="dummy", device=args.device, max_num_seqs=max_batch,

@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.errors import ParameterError
+from fastdeploy.common.errors import ParameterError
 from fastdeploy.model_executor.guided_decoding import (
     GrammarCompileService,
     GuidedSpec,

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
 from fastdeploy import LLM  # noqa: E402
-from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec  # noqa: E402
+from fastdeploy.common.guided_spec import GuidedSpec  # noqa: E402
+from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.worker.sync_count import count_step_syncs, steady_decode  # noqa: E402
 
 NAME = "host_syncs"

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import CollectorWatch, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
-from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy.common.step_slots import StepSlots  # noqa: E402
 from fastdeploy.ops.step_packer import pack_step_slots_tensor  # noqa: E402
-from fastdeploy.output.step_slots import StepSlots  # noqa: E402
 from fastdeploy.output.token_processor import TokenProcessor  # noqa: E402
 from fastdeploy.scheduler.sequence import Sequence  # noqa: E402
 

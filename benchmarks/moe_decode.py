@@ -33,8 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (copy_bandwidth, machine_info, png_path, print_table, pyplot,  # noqa: E402
-                               queued_device_ms, write_json)
+from benchmarks.common import copy_bandwidth, machine_info, png_path, print_table, pyplot, queued_device_ms, write_json  # noqa: E402
 from benchmarks.gpu_decode import graph_replay_ms  # noqa: E402
 
 NAME = "moe_decode"
@@ -64,11 +63,11 @@ def expected_touched(num_experts: int, top_k: int, batch: int) -> float:
 
 
 def bench_engine(args: argparse.Namespace, bandwidth: float) -> tuple[dict, list[dict]]:
+    from fastdeploy.common.sampling_params import SamplingParams
+    from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput
     from fastdeploy.engine.args import EngineArgs
-    from fastdeploy.engine.sampling_params import SamplingParams
     from fastdeploy.model_executor.layers.moe import MoEExperts
     from fastdeploy.worker.model_runner import ModelRunner
-    from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput
 
     max_batch = max(args.batches)
     engine_args = EngineArgs(model=args.model, load_format="dummy", device="cuda", max_num_seqs=max_batch,

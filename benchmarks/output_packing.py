@@ -44,14 +44,14 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
+from fastdeploy.common.step_frame import split_by_sequence, unpack_step_frame
+from fastdeploy.common.step_slots import StepSlots, pack_step_slots_reference
 from fastdeploy.ops.step_packer import (
     load_ops,
     pack_step_slots,
     pack_step_slots_staged,
     unpack_step_frame_op,
 )
-from fastdeploy.output.step_frame import split_by_sequence, unpack_step_frame
-from fastdeploy.output.step_slots import StepSlots, pack_step_slots_reference
 
 SLOTS = 5
 FIXED_TOP_K = 20

@@ -39,8 +39,16 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import (RESULTS_DIR, free_port, machine_info, png_path, print_machine,  # noqa: E402
-                               print_table, pyplot, write_json)
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    free_port,
+    machine_info,
+    png_path,
+    print_machine,
+    print_table,
+    pyplot,
+    write_json,
+)
 from benchmarks.serving import TOPICS, Server  # noqa: E402
 
 WORDS = ("river stone garden lantern harbor meadow copper violet thunder orchard canyon ember glacier "

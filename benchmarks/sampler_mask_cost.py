@@ -40,7 +40,7 @@ from benchmarks.common import (  # noqa: E402
     queued_device_ms,
     write_json,
 )
-from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata  # noqa: E402
 from fastdeploy.model_executor.layers.sample.sampler import Sampler  # noqa: E402
 from fastdeploy.worker.model_runner import ModelRunner, WorkerSequence  # noqa: E402

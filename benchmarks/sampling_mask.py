@@ -172,12 +172,12 @@ def kernel_grid(device: torch.device, reps: int, budget_s: float) -> list[dict]:
 
 def e2e(args, device: str) -> list[dict]:
     """Decode tok/s with the mask requested vs opted out, interleaved; medians of --e2e-reps."""
+    from fastdeploy.common.request import EngineRequest
+    from fastdeploy.common.sampling_params import SamplingParams
+    from fastdeploy.common.startup_heap import settle_collector
     from fastdeploy.engine.args import EngineArgs
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
-    from fastdeploy.engine.request import EngineRequest
-    from fastdeploy.engine.sampling_params import SamplingParams
-    from fastdeploy.startup_heap import settle_collector
 
     max_b = max(args.e2e_batches)
     model = None if args.e2e_model == "embedded" else args.e2e_model

@@ -50,8 +50,17 @@ import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import (RESULTS_DIR, free_port, machine_info, png_path, print_machine,  # noqa: E402
-                               print_table, pyplot, tree_rss_mb, write_json)
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    free_port,
+    machine_info,
+    png_path,
+    print_machine,
+    print_table,
+    pyplot,
+    tree_rss_mb,
+    write_json,
+)
 from benchmarks.serving import TOPICS, Server  # noqa: E402
 
 CASES = {"peaked": {"temperature": 1.0, "top_p": 0.9}, "flat": {"temperature": 1.5, "top_p": 0.99}}

@@ -114,8 +114,8 @@ MASK_FORMAT = "ids"  # the masked runs' sampling_mask_format (--mask-format)
 
 def add_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> None:
     """Adds `batch` requests of 16 random prompt tokens that decode `steps` steady steps."""
-    from fastdeploy.engine.request import EngineRequest
-    from fastdeploy.engine.sampling_params import SamplingParams
+    from fastdeploy.common.request import EngineRequest
+    from fastdeploy.common.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=1.0, top_p=top_p,
                             ignore_eos=True, return_sampling_mask=mask, sampling_mask_format=MASK_FORMAT)
@@ -240,10 +240,10 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="result file stem (default step_phases_<device>)")
     args = ap.parse_args()
 
+    from fastdeploy.common.startup_heap import settle_collector
     from fastdeploy.engine.args import EngineArgs
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
-    from fastdeploy.startup_heap import settle_collector
 
     global MASK_FORMAT
     MASK_FORMAT = args.mask_format

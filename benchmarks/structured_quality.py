@@ -36,12 +36,12 @@ import jsonschema  # noqa: E402
 
 from benchmarks.common import machine_info, png_path, print_machine, print_table, write_json  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.engine.errors import ParameterError  # noqa: E402
+from fastdeploy.common.errors import ParameterError  # noqa: E402
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
 from fastdeploy.model_executor.guided_decoding import (  # noqa: E402
     GrammarCompileService,
     GuidedState,
     allocate_bitmask,
-    guided_spec_from_request,
     resolve_guided_spec,
 )
 

@@ -33,11 +33,11 @@ from benchmarks.common import machine_info, png_path, print_machine, print_table
 
 def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
     """Every batch at one tensor-parallel size, in this process."""
+    from fastdeploy.common.request import EngineRequest
+    from fastdeploy.common.sampling_params import SamplingParams
     from fastdeploy.engine.args import EngineArgs
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
-    from fastdeploy.engine.request import EngineRequest
-    from fastdeploy.engine.sampling_params import SamplingParams
     from fastdeploy.model_executor.model_loader import resolve_model_path
     from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config
 

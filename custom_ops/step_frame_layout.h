@@ -1,4 +1,4 @@
-// Byte layout of the packed step frame (fastdeploy/output/step_frame.py is normative).
+// Byte layout of the packed step frame (fastdeploy/common/step_frame.py is normative).
 // Shared by the CPU and CUDA packers so both place every array at the same offset.
 #pragma once
 

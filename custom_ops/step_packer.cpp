@@ -1,6 +1,6 @@
 // Packed step output on the CPU: slot layout -> frame bytes, and frame bytes -> array views.
-// Held byte for byte to fastdeploy/output/step_slots.py (pack_step_slots_reference) and
-// fastdeploy/output/step_frame.py (unpack_step_frame) by tests/ops/test_step_packer.py.
+// Held byte for byte to fastdeploy/common/step_slots.py (pack_step_slots_reference) and
+// fastdeploy/common/step_frame.py (unpack_step_frame) by tests/ops/test_step_packer.py.
 #include <torch/library.h>
 
 #include <cstring>

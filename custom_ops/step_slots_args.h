@@ -1,4 +1,4 @@
-// Checks and normalises the arguments of pack_step_slots (fastdeploy/output/step_slots.py
+// Checks and normalises the arguments of pack_step_slots (fastdeploy/common/step_slots.py
 // defines the contract). Shared by the CPU and CUDA packers.
 #pragma once
 

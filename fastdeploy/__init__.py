@@ -8,7 +8,7 @@ import os
 # before torch loads its OpenMP runtime; an explicit user setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.entrypoints.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastdeploy.output.sampling_masks import SamplingBitmaps, bitmap_width
+from fastdeploy.common.sampling_masks import SamplingBitmaps, bitmap_width
 
 
 def bitmap_lists(bitmaps: SamplingBitmaps) -> list[list[int] | None]:

@@ -8,8 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # GQA, head_dim 16; callers pick the vocabulary and the switches under test.
 BASE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

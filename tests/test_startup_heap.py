@@ -5,7 +5,7 @@ import weakref
 
 import pytest
 
-from fastdeploy.startup_heap import YOUNG_COLLECTION_THRESHOLD, settle_collector
+from fastdeploy.common.startup_heap import YOUNG_COLLECTION_THRESHOLD, settle_collector
 
 
 class _Node:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 
 _COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
 _ROW = (".o_proj.", ".down_proj.")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
-from fastdeploy.engine.sampling_params import SAMPLING_MASK_FORMATS
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.sampling_params import SAMPLING_MASK_FORMATS
+from fastdeploy.common.speculative_config import SpeculativeConfig, parse_speculative_config
 from fastdeploy.reasoning import reasoning_parser_names
-from fastdeploy.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass

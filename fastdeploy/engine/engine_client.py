@@ -9,18 +9,18 @@ import multiprocessing
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from fastdeploy.config import EngineConfig
-from fastdeploy.engine.engine_process import run_engine
-from fastdeploy.engine.limits import EngineLimits
-from fastdeploy.engine.request import (
+from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.ipc import endpoint, make_ipc_dir, socket
+from fastdeploy.common.limits import EngineLimits
+from fastdeploy.common.request import (
     AbortRequests,
     AddRequest,
     EngineDead,
@@ -30,8 +30,8 @@ from fastdeploy.engine.request import (
     EngineRequest,
     RequestDelta,
 )
-from fastdeploy.ipc import endpoint, make_ipc_dir, socket
-from fastdeploy.spec_decode.stats import SpecDecodeStats
+from fastdeploy.common.spec_decode_stats import SpecDecodeStats
+from fastdeploy.engine.engine_process import run_engine
 
 logger = logging.getLogger(__name__)
 

@@ -14,18 +14,19 @@ import dataclasses
 import itertools
 import logging
 
-from fastdeploy.config import EngineConfig, resolve_dtype
+from fastdeploy.common.config import EngineConfig, resolve_dtype
+from fastdeploy.common.limits import EngineLimits
+from fastdeploy.common.request import EngineRequest, RequestDelta
+from fastdeploy.common.sampling_params import ParameterError
+from fastdeploy.common.spec_decode_stats import SpecDecodeStats
+from fastdeploy.common.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
+from fastdeploy.engine.admission import admit_request
 from fastdeploy.engine.executor import Executor
-from fastdeploy.engine.limits import EngineLimits
-from fastdeploy.engine.request import EngineRequest, RequestDelta
-from fastdeploy.engine.sampling_params import ParameterError
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.prefix_hash import root_hash
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
-from fastdeploy.spec_decode.stats import SpecDecodeStats
-from fastdeploy.worker.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
 from fastdeploy.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class EngineCore:
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ParameterError for a request that must be refused before it is queued."""
-        self.limits.validate(request)
+        admit_request(self.limits, request)
         if request.request_id in self.by_request_id:
             raise ParameterError(f"request id {request.request_id!r} is already running", "request_id")
 

@@ -10,10 +10,9 @@ import traceback
 import msgspec
 import zmq
 
-from fastdeploy.config import EngineConfig
-from fastdeploy.engine.engine_core import EngineCore
-from fastdeploy.engine.executor import WorkerError, WorkerProcessExecutor
-from fastdeploy.engine.request import (
+from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.ipc import endpoint, process_alive, socket
+from fastdeploy.common.request import (
     AbortRequests,
     AddRequest,
     EngineDead,
@@ -22,10 +21,11 @@ from fastdeploy.engine.request import (
     EngineReady,
     RequestDelta,
 )
-from fastdeploy.engine.sampling_params import ParameterError
-from fastdeploy.ipc import endpoint, process_alive, socket
-from fastdeploy.output.sampling_masks import encode_buffers
-from fastdeploy.startup_heap import settle_collector
+from fastdeploy.common.sampling_masks import encode_buffers
+from fastdeploy.common.sampling_params import ParameterError
+from fastdeploy.common.startup_heap import settle_collector
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import WorkerError, WorkerProcessExecutor
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from fastdeploy.config import EngineConfig
-from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
+from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
+from fastdeploy.common.step_input import StepInput, WorkerEvents
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
-from fastdeploy.worker.step_input import StepInput, WorkerEvents
 from fastdeploy.worker.step_output import LaunchedStep, StepOutput, decode_mask_bits
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
 

@@ -19,9 +19,9 @@ import shutil
 import socket as pysocket
 from typing import Any
 
-from fastdeploy.config import EngineConfig
+from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.ipc import make_ipc_dir
 from fastdeploy.engine.engine_process import run_engine
-from fastdeploy.ipc import make_ipc_dir
 
 STARTUP_TIMEOUT_S = 600.0
 

@@ -22,11 +22,11 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastdeploy.config import EngineConfig
+from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.limits import EngineLimits
+from fastdeploy.common.request import EngineRequest, RequestDelta
+from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineStats, LocalEngine
-from fastdeploy.engine.limits import EngineLimits
-from fastdeploy.engine.request import EngineRequest, RequestDelta
-from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from fastdeploy.common.request import EngineRequest
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
-from fastdeploy.engine.request import EngineRequest
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import get_tokenizer
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState

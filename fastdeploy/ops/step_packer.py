@@ -22,8 +22,8 @@ import warnings
 import numpy as np
 import torch
 
-from fastdeploy.output.step_frame import HAS_LOGPROBS, HAS_MASK, StepFrame
-from fastdeploy.output.step_slots import StepSlots
+from fastdeploy.common.step_frame import HAS_LOGPROBS, HAS_MASK, StepFrame
+from fastdeploy.common.step_slots import StepSlots
 
 CUSTOM_OPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "custom_ops")

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from fastdeploy.engine.request import RequestDelta
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.request import RequestDelta
+from fastdeploy.common.sampling_masks import LOGZ_BYTES, SampledMasks, SamplingBitmaps, concat_masks, logz_values
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
-from fastdeploy.output.sampling_masks import LOGZ_BYTES, SampledMasks, SamplingBitmaps, concat_masks, logz_values
 
 
 @dataclass

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from fastdeploy.engine.request import RequestDelta
-from fastdeploy.output.sampling_masks import LOGZ_BYTES, bitmap_rows, logz_buffer, split_runs
-from fastdeploy.output.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
+from fastdeploy.common.request import RequestDelta
+from fastdeploy.common.sampling_masks import LOGZ_BYTES, bitmap_rows, logz_buffer, split_runs
+from fastdeploy.common.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
 

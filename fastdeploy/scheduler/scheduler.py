@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from fastdeploy.config import SchedulerConfig
+from fastdeploy.common.config import SchedulerConfig
 from fastdeploy.scheduler.block_manager import BlockManager, blocks_needed
 from fastdeploy.scheduler.prefix_hash import extend_block_hashes
-from fastdeploy.scheduler.sequence import Sequence, SeqStatus
+from fastdeploy.scheduler.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from fastdeploy.model_executor.cuda_graph import DecodeBuffers, GraphRunner, capture_sizes
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import MTPHead
-from fastdeploy.worker.cuda_graph import DecodeBuffers, GraphRunner, capture_sizes
 
 
 class MTPPass:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.common.step_input import ChunkInput
+from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.spec_decode.mtp_pass import MTPPass
-from fastdeploy.worker.device_inputs import upload_int64
-from fastdeploy.worker.step_input import ChunkInput
 
 PrepareInputs = Callable[[list[ChunkInput], dict], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]]
 

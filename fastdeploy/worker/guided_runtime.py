@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.common.guided_spec import GuidedSpec
+from fastdeploy.common.step_input import WorkerEvents
 from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService, build_backend
 from fastdeploy.model_executor.guided_decoding.coverage import BACKEND_NAMES
 from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 from fastdeploy.reasoning import EndMarkerDetector, ReasoningParser, get_reasoning_parser
-from fastdeploy.worker.step_input import WorkerEvents
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from fastdeploy.config import EngineConfig, ModelConfig
+from fastdeploy.common.config import EngineConfig, ModelConfig
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM

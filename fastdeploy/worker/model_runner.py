@@ -13,7 +13,11 @@ import msgspec
 import numpy as np
 import torch
 
-from fastdeploy.config import EngineConfig, ModelConfig, resolve_dtype
+from fastdeploy.common.config import EngineConfig, ModelConfig, resolve_dtype
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
+from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
+from fastdeploy.common.step_slots import StepSlots
 from fastdeploy.distributed.parallel_state import (
     all_reduce_min,
     broadcast_bytes,
@@ -23,7 +27,8 @@ from fastdeploy.distributed.parallel_state import (
     tp_size,
 )
 from fastdeploy.distributed.shard import local_config
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.cuda_graph import CudaGraphRunner, DecodeBuffers
+from fastdeploy.model_executor.device_inputs import upload, upload_int64
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.layers.sample import kept_set_gpu
@@ -37,18 +42,13 @@ from fastdeploy.ops.step_packer import (
     pack_step_slots_tensor,
     unpack_step_frame_op,
 )
-from fastdeploy.output.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
-from fastdeploy.output.step_slots import StepSlots
 from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
 from fastdeploy.spec_decode.mtp_pass import MTPPass
 from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.spec_decode.verification import accept_counts
-from fastdeploy.worker.cuda_graph import CudaGraphRunner, DecodeBuffers
-from fastdeploy.worker.device_inputs import upload, upload_int64
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
-from fastdeploy.worker.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
 from fastdeploy.worker.step_output import LaunchedStep, StepOutput
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
-from fastdeploy.output.step_frame import FrameBuffer
-from fastdeploy.worker.step_input import WorkerEvents
+from fastdeploy.common.step_frame import FrameBuffer
+from fastdeploy.common.step_input import WorkerEvents
 
 
 class Completion(Protocol):

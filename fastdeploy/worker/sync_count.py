@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from fastdeploy.common.step_input import StepInput
 from fastdeploy.worker.model_runner import ModelRunner
-from fastdeploy.worker.step_input import StepInput
 from fastdeploy.worker.step_output import LaunchedStep
 
 T = TypeVar("T")

@@ -15,11 +15,11 @@ import msgspec
 import psutil
 import zmq
 
-from fastdeploy.config import EngineConfig
-from fastdeploy.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
-from fastdeploy.startup_heap import settle_collector
+from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
+from fastdeploy.common.startup_heap import settle_collector
+from fastdeploy.common.step_input import StepInput
 from fastdeploy.worker.model_runner import ModelRunner
-from fastdeploy.worker.step_input import StepInput
 from fastdeploy.worker.step_output import encode_mask_bits
 
 logger = logging.getLogger(__name__)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.ipc import make_ipc_dir
+from fastdeploy.common.request import EngineRequest
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.distributed.shard import shard_weight, vocab_shard
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor, WorkerProcessExecutor
-from fastdeploy.engine.request import EngineRequest
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.ipc import make_ipc_dir
 from tests.random_hf_models import save_random_hf_model
 from tests.random_qwen2 import save_random_qwen2
 

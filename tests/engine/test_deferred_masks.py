@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.request import EngineRequest, RequestDelta
+from fastdeploy.common.sampling_masks import SamplingBitmaps, logz_values
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.step_frame import unpack_step_frame
+from fastdeploy.common.step_input import StepInput
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
-from fastdeploy.engine.request import EngineRequest, RequestDelta
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.output.sampling_masks import SamplingBitmaps, logz_values
-from fastdeploy.output.step_frame import unpack_step_frame
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
-from fastdeploy.worker.step_input import StepInput
 from fastdeploy.worker.step_output import LaunchedStep, StepOutput
 from tests.bitmaps import bitmap_lists
 from tests.random_qwen2 import save_random_qwen2

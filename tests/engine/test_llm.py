@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.common.sampling_params import ParameterError
 
 TOPICS = ["rivers", "the moon", "bread", "chess", "volcanoes", "music", "bees", "glass", "trains", "rain",
           "salt", "maps", "owls", "clocks", "paper", "wind"]

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.common.guided_spec import GuidedSpec
 from tests.random_hf_models import save_random_hf_model
 
 VOCAB = 49152

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.request import EngineRequest
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.engine.engine_client import AsyncEngineClient
 from fastdeploy.engine.replicas import ReplicaSet, prompt_key, replica_devices
-from fastdeploy.engine.request import EngineRequest
-from fastdeploy.engine.sampling_params import SamplingParams
 from tests.random_qwen2 import save_random_qwen2
 
 

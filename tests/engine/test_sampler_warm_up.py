@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.worker.model_runner import ModelRunner
 from tests.random_qwen2 import save_random_qwen2

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.sampling_params import ParameterError
+from fastdeploy.common.sampling_params import ParameterError
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +44,9 @@ def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
     """With structured output, each kept set is a subset of the tokens the grammar allowed."""
     import json
 
+    from fastdeploy.common.guided_spec import GuidedSpec
     from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
     from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
-    from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
     from fastdeploy.model_executor.layers.sample.ops import unpack_token_bitmask
 
     spec = GuidedSpec("json_schema", json.dumps(

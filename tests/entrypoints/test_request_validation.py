@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from fastdeploy.engine.errors import ParameterError
-from fastdeploy.engine.limits import EngineLimits
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.common.ipc import make_ipc_dir
+from fastdeploy.common.limits import EngineLimits
 from fastdeploy.entrypoints.openai.body_guard import deeper_than, json_error
 from fastdeploy.entrypoints.openai.errors import APIError, validation_message
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fastdeploy.entrypoints.openai.request_limits import INT64_MAX, INT64_MIN
 from fastdeploy.entrypoints.openai.validation import check_context, external_ref
-from fastdeploy.ipc import make_ipc_dir
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 # Text as clients send it: any character, and UTF-16 surrogates alone or in pairs (escaped in JSON).

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fastdeploy import LLM
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import embedded_model_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fastdeploy import LLM
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.moe import moe_reference, route
 from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
 from tests.random_hf_models import save_random_hf_model, save_word_tokenizer

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fastdeploy import LLM
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.worker.sync_count import count_step_syncs, steady_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

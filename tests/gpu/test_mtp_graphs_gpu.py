@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.worker.device_inputs import upload_int64
-from fastdeploy.worker.step_input import ChunkInput
+from fastdeploy.common.step_input import ChunkInput
+from fastdeploy.model_executor.device_inputs import upload_int64
 from tools.mtp_prompts import as_chat, held_out_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

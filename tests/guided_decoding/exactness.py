@@ -15,9 +15,14 @@ from pathlib import Path
 
 import jsonschema
 
-from fastdeploy.engine.errors import ParameterError
-from fastdeploy.model_executor.guided_decoding import GuidedSpec, guided_spec_from_request, resolve_guided_spec
-from fastdeploy.model_executor.guided_decoding import llguidance_backend, xgrammar_backend
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
+from fastdeploy.model_executor.guided_decoding import (
+    GuidedSpec,
+    llguidance_backend,
+    resolve_guided_spec,
+    xgrammar_backend,
+)
 
 
 def accepts(spec: GuidedSpec, text: str, llg_tokenizer) -> bool:

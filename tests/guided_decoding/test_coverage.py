@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from fastdeploy.engine.errors import ParameterError
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
 from fastdeploy.model_executor.guided_decoding import (
     GuidedSpec,
-    guided_spec_from_request,
     resolve_guided_spec,
     schema_gaps,
 )

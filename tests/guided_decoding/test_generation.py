@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.errors import ParameterError
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
 from fastdeploy.model_executor.guided_decoding import GuidedSpec
 from tests.guided_decoding.jsb import JSB_DIR
 from tests.guided_decoding.test_coverage import KNOWN
@@ -44,7 +45,8 @@ def ask(schema: dict) -> list[dict]:
 def llguidance_schemas(n: int) -> list[tuple[str, dict]]:
     """The n smallest JSONSchemaBench schemas that `auto` gives to llguidance (xgrammar would not
     enforce them), plus the issue's cases llguidance enforces."""
-    from fastdeploy.model_executor.guided_decoding import guided_spec_from_request, resolve_guided_spec
+    from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
+    from fastdeploy.model_executor.guided_decoding import resolve_guided_spec
 
     picked = []
     for path in sorted(JSB_DIR.glob("*.json"), key=lambda p: p.stat().st_size):

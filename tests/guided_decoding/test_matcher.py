@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
 from fastdeploy.model_executor.guided_decoding import (
     GuidedSpec,
     GuidedState,
     apply_token_bitmask_inplace,
     fill_bitmasks,
-    guided_spec_from_request,
 )
 
 EOS = 2

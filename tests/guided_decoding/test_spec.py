@@ -7,8 +7,9 @@ import json
 import msgspec
 import pytest
 
-from fastdeploy.engine.errors import ParameterError
-from fastdeploy.model_executor.guided_decoding import GuidedSpec, guided_spec_from_request, validate_guided_spec
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
+from fastdeploy.model_executor.guided_decoding import GuidedSpec, validate_guided_spec
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["a"]}
 NEW_TAG = {
@@ -134,6 +135,7 @@ def test_validation_is_cheap():
 
 
 def test_resolution_fills_the_whitespace_default_and_keeps_a_pinned_backend():
+    from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
     from fastdeploy.model_executor.guided_decoding import resolve_guided_spec
 
     spec = guided_spec_from_request({"guided_json": SCHEMA})

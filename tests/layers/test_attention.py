@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.layers.attention import (
     Attention,
     allocate_kv_caches,

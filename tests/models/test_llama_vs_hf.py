@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, get_gguf_hf_weights_map
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.model_loader import embedded_model_path, get_model, get_tokenizer

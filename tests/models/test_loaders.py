@@ -13,7 +13,7 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.model_loader import get_model

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastdeploy.common.step_frame import StepFrame, split_by_sequence, unpack_step_frame
+from fastdeploy.common.step_slots import StepSlots, gather_step_slots, pack_step_slots_reference
 from fastdeploy.ops.step_packer import (
     pack_step_slots,
     pack_step_slots_copying_ids,
@@ -21,8 +23,6 @@ from fastdeploy.ops.step_packer import (
     pack_step_slots_tensor,
     unpack_step_frame_op,
 )
-from fastdeploy.output.step_frame import StepFrame, split_by_sequence, unpack_step_frame
-from fastdeploy.output.step_slots import StepSlots, gather_step_slots, pack_step_slots_reference
 
 VOCAB = 49152
 FIELDS = ("seq_ids", "num_tokens", "token_ids", "lp_ids", "lp_values", "ranks", "mask_offsets", "mask_ids", "logz")

@@ -8,13 +8,13 @@ import numpy as np
 import orjson
 import pytest
 
-from fastdeploy.engine.request import EngineOutputs
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.request import EngineOutputs
+from fastdeploy.common.sampling_masks import SamplingBitmaps, SamplingMasks, encode_buffers, logz_values
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.step_frame import StepFrame, pack_step_frame
 from fastdeploy.entrypoints.openai.formatting import encode_json, extra_fields
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
-from fastdeploy.output.sampling_masks import SamplingBitmaps, SamplingMasks, encode_buffers, logz_values
-from fastdeploy.output.step_frame import StepFrame, pack_step_frame
 from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.sequence import Sequence
 from tests.bitmaps import bitmap_array, bitmap_lists

@@ -6,14 +6,12 @@ import base64
 from itertools import pairwise
 
 import msgspec
-import orjson
 import numpy as np
+import orjson
 import pytest
 
-from fastdeploy.engine.request import EngineOutputs, RequestDelta
-from fastdeploy.entrypoints.openai.formatting import bitmaps_json
-from tests.bitmaps import bitmap_array, bitmap_lists
-from fastdeploy.output.sampling_masks import (
+from fastdeploy.common.request import EngineOutputs, RequestDelta
+from fastdeploy.common.sampling_masks import (
     SamplingBitmaps,
     SamplingMasks,
     bitmap_rows,
@@ -24,6 +22,8 @@ from fastdeploy.output.sampling_masks import (
     logz_values,
     split_runs,
 )
+from fastdeploy.entrypoints.openai.formatting import bitmaps_json
+from tests.bitmaps import bitmap_array, bitmap_lists
 
 MASKS = [[3, 10], None, [12], [0, 1, 2, 49151], None]
 

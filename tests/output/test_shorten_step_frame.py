@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastdeploy.output.step_frame import shorten_step_frame
-from fastdeploy.output.step_slots import gather_step_slots
+from fastdeploy.common.step_frame import shorten_step_frame
+from fastdeploy.common.step_slots import gather_step_slots
 from tests.ops.test_step_packer import assert_frames_equal, make_slots
 
 

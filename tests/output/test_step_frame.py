@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fastdeploy.output.step_frame import (
+from fastdeploy.common.step_frame import (
     HAS_LOGPROBS,
     HAS_MASK,
     META_LEN,

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastdeploy.output.step_frame import StepFrame, pack_step_frame, unpack_step_frame
+from fastdeploy.common.step_frame import StepFrame, pack_step_frame, unpack_step_frame
 
 SETTINGS = settings(max_examples=200, deadline=None, database=None)
 int64s = st.integers(-(2**63), 2**63 - 1)

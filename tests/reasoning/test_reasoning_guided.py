@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.reasoning import ThinkReasoningParser
 from tests.reasoning.fewshot import CHOICES, CLOSED_PROMPT, COMPLETION_PROMPT
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.request import EngineRequest
+from fastdeploy.common.sampling_masks import logz_values
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.speculative_config import parse_speculative_config
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
-from fastdeploy.engine.request import EngineRequest
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.output.sampling_masks import logz_values
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.prefix_hash import extend_block_hashes, root_hash
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.scheduler.sequence import Sequence
-from fastdeploy.spec_decode.config import parse_speculative_config
 from tests.random_qwen2 import save_random_qwen2
 
 BLOCK = 4

@@ -1,10 +1,10 @@
 """Continuous batching: token budget, chunked prefill, max_num_seqs, preemption by recompute."""
 
-from fastdeploy.config import SchedulerConfig
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.common.config import SchedulerConfig
+from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.scheduler import Scheduler
-from fastdeploy.scheduler.sequence import Sequence, SeqStatus
+from fastdeploy.scheduler.sequence import SeqStatus, Sequence
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM

@@ -75,7 +75,7 @@ def test_shipped_head_is_exact_and_accepts_on_held_out_prompts(base):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dense_head_on_cuda_matches_cpu():
     """The training path on CUDA (fused Triton MLP/norm kernels take flat rows) against CPU float32."""
-    from fastdeploy.config import ModelConfig
+    from fastdeploy.common.config import ModelConfig
     from fastdeploy.model_executor.layers.layernorm import RMSNorm
     from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.common.guided_spec import GuidedSpec
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 RECORD = '{"name": "Alice Smith", "age": 30, "city": "Paris", "tags": ["admin", "editor"], "active": true}'

@@ -16,10 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_client import AsyncEngineClient
 from fastdeploy.engine.replicas import DATA_PARALLEL_BACKENDS, ReplicaSet
-from fastdeploy.engine.errors import ParameterError
 from fastdeploy.entrypoints.openai.body_guard import BodyGuard
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_message
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -28,7 +29,6 @@ from fastdeploy.entrypoints.openai.request_limits import TransportLimits
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.model_executor.model_loader import get_tokenizer
-from fastdeploy.startup_heap import settle_collector
 
 logger = logging.getLogger("fastdeploy.api_server")
 

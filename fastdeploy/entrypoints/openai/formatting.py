@@ -13,8 +13,8 @@ import orjson
 import pybase64
 from fastapi.responses import Response
 
+from fastdeploy.common.sampling_masks import SamplingBitmaps
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, TokenLogprob
-from fastdeploy.output.sampling_masks import SamplingBitmaps
 
 # JSON has no -Infinity: a logprob of -inf (a token outside the kept set, processed logprobs)
 # is written as this floor, as vLLM does.

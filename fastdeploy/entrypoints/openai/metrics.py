@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 from fastdeploy.engine.engine_client import EngineStats
-from fastdeploy.spec_decode.stats import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
+from fastdeploy.common.sampling_params import ParameterError, SamplingParams
+from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
 from fastdeploy.entrypoints.openai.request_limits import (
     Choices,
     Count,
@@ -21,7 +22,6 @@ from fastdeploy.entrypoints.openai.request_limits import (
     TokenIds,
     TopK,
 )
-from fastdeploy.model_executor.guided_decoding.spec import guided_spec_from_request
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structural_tag")

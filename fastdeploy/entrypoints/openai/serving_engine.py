@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from fastdeploy.common.request import EngineRequest
+from fastdeploy.common.sampling_params import ParameterError, SamplingParams
+from fastdeploy.engine.admission import admit_request
 from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
-from fastdeploy.engine.request import EngineRequest
-from fastdeploy.engine.sampling_params import ParameterError, SamplingParams
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
 from fastdeploy.entrypoints.openai.formatting import sse, usage
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -80,7 +81,7 @@ class OpenAIServing:
                 requests.append(EngineRequest(f"{request_id}-{p}-{i}", tokens, params.for_choice(i), now))
         for engine_request in requests:
             try:
-                limits.validate(engine_request, prompt_param)
+                admit_request(limits, engine_request, prompt_param)
             except ParameterError as exc:
                 guided_field = request.guided_field()
                 param = guided_field if guided_field and exc.param in GUIDED_FIELDS else exc.param

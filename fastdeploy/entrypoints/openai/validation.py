@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastdeploy.engine.limits import EngineLimits
+from fastdeploy.common.limits import EngineLimits
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request
 from fastdeploy.entrypoints.openai.protocol import (
     GUIDED_FIELDS,

@@ -1,7 +1,8 @@
-"""Guided (structured) decoding with xgrammar or llguidance: request parsing, backend
+"""Guided (structured) decoding with xgrammar or llguidance: backend
 choice, async compilation, per-request matchers and the token bitmask. See DESIGN.md,
 "Guided decoding", and docs/structured_output.md."""
 
+from fastdeploy.common.guided_spec import GUIDED_KINDS, GuidedSpec
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend, TokenMatcher
 from fastdeploy.model_executor.guided_decoding.bitmask import apply_token_bitmask_inplace
 from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService, build_backend
@@ -13,7 +14,6 @@ from fastdeploy.model_executor.guided_decoding.select import (
     resolve_guided_spec,
     validate_guided_spec,
 )
-from fastdeploy.model_executor.guided_decoding.spec import GUIDED_KINDS, GuidedSpec, guided_spec_from_request
 
 __all__ = [
     "BACKEND_NAMES",
@@ -31,7 +31,6 @@ __all__ = [
     "build_backend",
     "choose_backend",
     "fill_bitmasks",
-    "guided_spec_from_request",
     "resolve_guided_spec",
     "schema_gaps",
     "validate_guided_spec",

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.common.guided_spec import GuidedSpec
 
 __all__ = ["CompiledGrammar", "GrammarBackend", "TokenMatcher", "allow_only"]
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 
 __all__ = ["GrammarCompileService", "build_backend"]
 

@@ -14,8 +14,8 @@ import re
 import llguidance as llg
 import torch
 
+from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
 
 __all__ = ["LLGuidanceBackend", "parse", "refused_keyword"]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from fastdeploy.engine.errors import ParameterError
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.common.guided_spec import GuidedSpec, spec_param
 from fastdeploy.model_executor.guided_decoding import llguidance_backend, xgrammar_backend
 from fastdeploy.model_executor.guided_decoding.coverage import BACKEND_NAMES, Gap, schema_gaps
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec, spec_param
 
 __all__ = ["BACKEND_SETTINGS", "choose_backend", "resolve_guided_spec", "validate_guided_spec"]
 

@@ -13,8 +13,8 @@ import re
 import torch
 import xgrammar as xgr
 
+from fastdeploy.common.guided_spec import GuidedSpec, choice_ebnf
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec, choice_ebnf
 
 __all__ = ["XGrammarBackend", "clean_error", "json_object_ebnf", "parse", "tokenizer_info_from_hf"]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 
 

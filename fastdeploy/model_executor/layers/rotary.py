@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from fastdeploy.config import RopeScaling
+from fastdeploy.common.config import RopeScaling
 
 
 def _base_inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:

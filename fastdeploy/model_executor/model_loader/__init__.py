@@ -8,7 +8,7 @@ import gguf
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config, init_dummy_weights
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path
 from fastdeploy.model_executor.model_loader.fp8 import dequantize_fp8_weights

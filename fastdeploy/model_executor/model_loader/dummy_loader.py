@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_model_config
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 

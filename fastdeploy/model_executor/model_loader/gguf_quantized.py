@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.distributed.parallel_state import tp_size
 from fastdeploy.model_executor.layers.quantized_linear import Int4Linear
 from fastdeploy.model_executor.model_loader.gguf_loader import reverse_permute

@@ -8,7 +8,7 @@ checkpoint never runs with part of its math silently dropped.
 
 from __future__ import annotations
 
-from fastdeploy.config import ModelConfig, MoEConfig, RopeScaling
+from fastdeploy.common.config import ModelConfig, MoEConfig, RopeScaling
 
 # HF model_type -> ModelConfig.architecture
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.model_loader.hf_config import as_id_list, model_config_from_hf_dict
 
 

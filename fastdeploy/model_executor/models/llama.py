@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention

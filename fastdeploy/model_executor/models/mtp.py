@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.rotary import rope_cos_sin

@@ -20,12 +20,12 @@ import torch
 from sampler_test_utils import csr_row, make_meta
 from triton_interpreter import InterpreterProcess
 
+from fastdeploy.common.sampling_masks import logz_values
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg
 from fastdeploy.model_executor.layers.sample.metadata import RowGroups
 from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler, process_logits
 from fastdeploy.model_executor.layers.sample.truncation import KeptSet
-from fastdeploy.output.sampling_masks import logz_values
 
 LOGZ_TOL = 1e-5
 TEMPS = [0.3, 0.7, 1.0, 1.0, 1.5]
@@ -383,11 +383,11 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
     row are sampled again with settled sets, and seeded requests get the tokens, sampling masks
     and logZ of the CPU path (the first pass's masks, which leave unsettled rows empty, are
     never handed out)."""
-    from fastdeploy.config import CacheConfig, EngineConfig, SchedulerConfig
+    from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+    from fastdeploy.common.request import EngineRequest
+    from fastdeploy.common.sampling_params import SamplingParams
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
-    from fastdeploy.engine.request import EngineRequest
-    from fastdeploy.engine.sampling_params import SamplingParams
 
     settled_calls = []
     call = Sampler.__call__

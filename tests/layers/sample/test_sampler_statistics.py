@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from sampler_test_utils import make_meta
+from scipy.stats import chisquare
 
 from fastdeploy.model_executor.layers.sample.reference import reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import Sampler

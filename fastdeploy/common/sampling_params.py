@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from fastdeploy.engine.errors import ParameterError
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.common.errors import ParameterError
+from fastdeploy.common.guided_spec import GuidedSpec
 
 __all__ = ["SAMPLING_MASK_FORMATS", "ParameterError", "SamplingParams"]
 

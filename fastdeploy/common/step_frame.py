@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdeploy.output.sampling_masks import SamplingMasks, split_runs
+from fastdeploy.common.sampling_masks import SamplingMasks, split_runs
 
 # A packed frame: bytes, or a view of the pinned host buffer the packer op wrote (the worker
 # hands that buffer on as it is rather than copying a step's output, masks included, once more).

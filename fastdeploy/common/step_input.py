@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.model_executor.guided_decoding.spec import GuidedSpec
+from fastdeploy.common.guided_spec import GuidedSpec
+from fastdeploy.common.sampling_params import SamplingParams
 
 
 class NewSequence(msgspec.Struct, array_like=True):

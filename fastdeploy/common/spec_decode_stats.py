@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from fastdeploy.worker.step_input import WorkerEvents
+from fastdeploy.common.step_input import WorkerEvents
 
 
 class SpecDecodeStats(msgspec.Struct, array_like=True):

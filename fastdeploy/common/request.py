@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from fastdeploy.engine.limits import EngineLimits
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.output.sampling_masks import SamplingBitmaps, SamplingMasks
-from fastdeploy.spec_decode.stats import SpecDecodeStats
+from fastdeploy.common.limits import EngineLimits
+from fastdeploy.common.sampling_masks import SamplingBitmaps, SamplingMasks
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 
 
 class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -45,7 +45,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     ranks: list[int] | None = None
     sampling_mask: SamplingMasks | SamplingBitmaps | None = None
     # float32 LE [len(token_ids)]: each token's logZ, a byte buffer like the masks' (see
-    # fastdeploy/output/sampling_masks.py; `logz_values` gives the floats).
+    # fastdeploy/common/sampling_masks.py; `logz_values` gives the floats).
     logz: memoryview | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None

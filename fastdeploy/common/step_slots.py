@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
-from fastdeploy.output.step_frame import StepFrame, pack_step_frame
+from fastdeploy.common.step_frame import StepFrame, pack_step_frame
 
 
 @dataclass

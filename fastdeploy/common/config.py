@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fastdeploy.spec_decode.config import SpeculativeConfig
+    from fastdeploy.common.speculative_config import SpeculativeConfig
 
 
 @dataclass
@@ -117,7 +117,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_mb: int = 512
     reasoning_parser: str | None = None  # a fastdeploy.reasoning name, e.g. "think"
-    # Speculative decoding (a fastdeploy.spec_decode.config.SpeculativeConfig); None: off.
+    # Speculative decoding (a fastdeploy.common.speculative_config.SpeculativeConfig); None: off.
     speculative: "SpeculativeConfig | None" = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

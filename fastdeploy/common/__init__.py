@@ -1,0 +1,1 @@
+"""The bottom layer: parameters, errors, limits, config and the messages between processes."""
