@@ -11,8 +11,8 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -112,10 +112,10 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
 
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
 
 
 def write_json(name: str, payload: dict[str, Any]) -> str:

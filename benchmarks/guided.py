@@ -137,7 +137,7 @@ def validity(llm: LLM, schemas_dir: Path, num_schemas: int, max_tokens: int) -> 
               for s in schemas]
     start = time.perf_counter()
     outs = llm.chat(chats, params)
-    for f, schema, out in zip(files, schemas, outs):
+    for f, schema, out in zip(files, schemas, outs, strict=True):
         o = out.outputs[0]
         if o.finish_reason == "stop":
             try:
@@ -201,7 +201,8 @@ def main() -> None:
         print(f"validity over {counts['schemas']} schemas ({counts['seconds']} s): {counts['refused']} refused (400), "
               f"{counts['finished_valid']} finished and valid, {counts['finished_invalid']} finished but invalid, "
               f"{counts['length']} hit max_tokens, {counts['error']} failed")
-    print(write_json(args.name, {"benchmark": "guided", "machine": info, "args": {**vars(args), "schemas_dir": str(args.schemas_dir)}, "throughput": rows,
+    print(write_json(args.name, {"benchmark": "guided", "machine": info,
+                                 "args": {**vars(args), "schemas_dir": str(args.schemas_dir)}, "throughput": rows,
                                  "mask_time": masks, "validity": counts}))
     where = "CPU" if args.device == "cpu" else args.device
     if rows:

@@ -61,7 +61,7 @@ def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, watch
             held.append(results)
     ms = (time.perf_counter() - t0) * 1e3
     count, seconds = watch.snapshot()
-    passes = [n - n0 for n, n0 in zip(count, count0)]
+    passes = [n - n0 for n, n0 in zip(count, count0, strict=True)]
     return {"ms": ms, "gen0": passes[0], "gen1": passes[1], "gen2": passes[2],
             "gc_ms": (sum(seconds) - sum(seconds0)) * 1e3}
 

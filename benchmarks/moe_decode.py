@@ -154,7 +154,7 @@ def bench_engine(args: argparse.Namespace, bandwidth: float) -> tuple[dict, list
     for row in rows:
         row.update(bench_moe_layer(layer, row["batch"], config.hidden_size, config.moe.num_experts_per_tok,
                                    expert_bytes, bandwidth))
-    del runner, graphs, layer
+    runner = graphs = layer = None  # the closures above hold `runner`: unbinding it frees the model
     gc.collect()
     torch.cuda.empty_cache()
     return info, rows

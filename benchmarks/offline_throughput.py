@@ -21,12 +21,13 @@ included, after one short warm-up run per batch size.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -74,14 +75,15 @@ def bench_fastdeploy(prompts: list[list[int]], batch_sizes: list[int], max_token
     results = {}
     for bs in batch_sizes:
         run(bs, min(8, max_tokens))
-        results[bs] = timed(lambda: run(bs, max_tokens))
-    del llm
+        results[bs] = timed(functools.partial(run, bs, max_tokens))
+    llm = None  # `run` holds `llm`: unbinding it frees the engine
     return results
 
 
 # --- transformers -----------------------------------------------------------------------
 
-def bench_hf(gguf: str, prompts: list[list[int]], batch_sizes: list[int], max_tokens: int) -> dict[int, tuple[int, float]]:
+def bench_hf(gguf: str, prompts: list[list[int]], batch_sizes: list[int],
+             max_tokens: int) -> dict[int, tuple[int, float]]:
     from transformers import AutoModelForCausalLM
 
     directory, name = os.path.split(gguf)
@@ -104,8 +106,8 @@ def bench_hf(gguf: str, prompts: list[list[int]], batch_sizes: list[int], max_to
     results = {}
     for bs in batch_sizes:
         run(bs, min(8, max_tokens))
-        results[bs] = timed(lambda: run(bs, max_tokens))
-    del model
+        results[bs] = timed(functools.partial(run, bs, max_tokens))
+    model = None  # `run` holds `model`: unbinding it frees the model
     return results
 
 
@@ -169,7 +171,7 @@ def bench_llamacpp(gguf: str, prompts: list[list[int]], batch_sizes: list[int], 
         ctx = lc.llama_init_from_model(model, cparams)
         try:
             run(ctx, bs, min(8, max_tokens))
-            results[bs] = timed(lambda: run(ctx, bs, max_tokens))
+            results[bs] = timed(functools.partial(run, ctx, bs, max_tokens))
         finally:
             lc.llama_free(ctx)
     lc.llama_model_free(model)

@@ -83,7 +83,7 @@ async def ttft_load(server: Server, trials: int, prefix_tokens: int, seed0: int)
             firsts.append(await first_token_s(client, server, prefix + " Question: what is it about?"))
             repeats.append(await first_token_s(client, server, prefix + " Question: who wrote it?"))
     return {"ttft_first_s": statistics.median(firsts), "ttft_repeat_s": statistics.median(repeats),
-            "ttft_ratio": statistics.median(r / f for r, f in zip(repeats, firsts))}
+            "ttft_ratio": statistics.median(r / f for r, f in zip(repeats, firsts, strict=True))}
 
 
 async def grpo_load(server: Server, args: argparse.Namespace, seed0: int) -> dict:
@@ -143,7 +143,8 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
     names = [r["caching"] for r in rows]
     for ax, key, title in zip(axes, ("ttft_repeat_s", "grpo_tok_s", "chat_wall_s"),
-                              ("TTFT of a repeated prefix (s)", "GRPO load, output tok/s", "multi-turn chat, wall s")):
+                              ("TTFT of a repeated prefix (s)", "GRPO load, output tok/s", "multi-turn chat, wall s"),
+                              strict=True):
         values = [r[key] for r in rows]
         ax.bar(names, values, color=["#4c72b0", "#dd8452"])
         ax.set_title(title, fontsize=8)

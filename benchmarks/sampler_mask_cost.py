@@ -88,7 +88,7 @@ def plot(rows: list[dict], device_name: str, path: str) -> None:
     axes = list(axes) if len(keys) > 1 else [axes]
     labels = [f"B={r['batch']}\nV={r['vocab']}\ng={r['greedy_share']}" for r in rows]
     xs = range(len(rows))
-    for ax, key in zip(axes, keys):
+    for ax, key in zip(axes, keys, strict=True):
         ax.bar([i - 0.2 for i in xs], [r[f"off_{key}"] for r in rows], 0.4, label="mask off")
         ax.bar([i + 0.2 for i in xs], [r[f"on_{key}"] for r in rows], 0.4, label="mask on")
         ax.set_xticks(list(xs), labels, fontsize=7)

@@ -146,7 +146,7 @@ async def one_request(client: httpx.AsyncClient, server: Server, index: int, max
     if not arrivals:
         return RequestResult(False, error="no tokens streamed")
     return RequestResult(True, tokens=usage_tokens or chunk_tokens, ttft=arrivals[0] - start,
-                         itls=[b - a for a, b in zip(arrivals, arrivals[1:])], latency=end - start)
+                         itls=[b - a for a, b in zip(arrivals, arrivals[1:], strict=False)], latency=end - start)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -212,11 +212,11 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt = pyplot()
     metrics = [("tok_s", "output tokens / s"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.8))
-    for ax, (key, label) in zip(axes, metrics):
+    for ax, (key, label) in zip(axes, metrics, strict=True):
         for name in dict.fromkeys(r["server"] for r in rows):
             pts = [(r["concurrency"], r[key]) for r in rows if r["server"] == name and r[key] is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
         ax.set_xscale("log", base=2)
         levels = sorted({r["concurrency"] for r in rows})
         ax.set_xticks(levels, [str(c) for c in levels])

@@ -10,8 +10,8 @@ Each server gets the same load per case: `--clients` concurrent clients, each se
 `--requests-per-client` non-streaming `/v1/completions` requests of exactly `--max-tokens`
 tokens (EOS ignored, seeded), as an RL rollout does; the flag-on server gets it once per
 `sampling_mask_format`. Every run is repeated `--rounds` times, off and on back to back
-within a round (in reverse order every other round), and the table gives medians (the ratio: the median of the rounds' ratios,
-with their range). Cases:
+within a round (in reverse order every other round), and the table gives medians (the ratio: the
+median of the rounds' ratios, with their range). Cases:
 
 - peaked: temperature 1.0, top_p 0.9 (a trained model keeps a few to a few hundred ids);
 - flat: temperature 1.5, top_p 0.99 (tens of thousands of ids per token on the embedded model).

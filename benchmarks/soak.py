@@ -197,7 +197,8 @@ def soak(base_url: str, api_key: str | None, server_pid: int, specs: list[Spec],
     greedy = [s for s in specs if s.greedy]
     # Reference: each greedy request alone, read to its end.
     alone_specs = [Spec(s.index, s.kind, s.path, s.body, True, None) for s in greedy]
-    alone = {s.index: o for s, o in zip(alone_specs, asyncio.run(run_round(base_url, headers, alone_specs, 1)))}
+    alone_outcomes = asyncio.run(run_round(base_url, headers, alone_specs, 1))
+    alone = {s.index: o for s, o in zip(alone_specs, alone_outcomes, strict=True)}
     for s in alone_specs:
         if (why := failure(s, alone[s.index])) is not None:
             report.failures.append(f"alone #{s.index} ({s.kind}): {why}")
@@ -205,7 +206,7 @@ def soak(base_url: str, api_key: str | None, server_pid: int, specs: list[Spec],
         started = time.monotonic()
         outcomes = asyncio.run(run_round(base_url, headers, specs, concurrency))
         wall = time.monotonic() - started
-        for spec, out in zip(specs, outcomes):
+        for spec, out in zip(specs, outcomes, strict=True):
             if (why := failure(spec, out)) is not None:
                 report.failures.append(f"round {r + 1} #{spec.index} ({spec.kind}): {why}")
             elif spec.greedy and not out.hung_up and out.texts != alone[spec.index].texts:

@@ -6,8 +6,8 @@
 The embedded SmolLM2-135M-Instruct copies a JSON record or a code block it is given
 (greedy, EOS honoured), once without speculation and once with --spec, on the same
 prompts. Rounds alternate baseline and speculative runs so a noisy machine hurts both
-alike; the median over rounds is reported, with how many outputs are token-identical. Throughput = generated tokens / wall time
-of the batch, prefill included, after one warm-up round.
+alike; the median over rounds is reported, with how many outputs are token-identical.
+Throughput = generated tokens / wall time of the batch, prefill included, after one warm-up round.
 
 The output-path part of the speculative-decoding measurements (packed frame vs a fixed
 layout) is `benchmarks/output_packing.py`.
@@ -35,7 +35,8 @@ CITIES = ["Paris", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Riga", "Seoul"]
 def _record(i: int) -> str:
     return json.dumps({
         "id": 1000 + i, "name": NAMES[i % 8], "city": CITIES[(3 * i) % 8], "age": 20 + (7 * i) % 50,
-        "email": f"{NAMES[i % 8].split()[0].lower()}{i}@example.com", "tags": ["admin", "editor", "viewer"][: 1 + i % 3],
+        "email": f"{NAMES[i % 8].split()[0].lower()}{i}@example.com",
+        "tags": ["admin", "editor", "viewer"][: 1 + i % 3],
         "address": {"street": f"{10 + i} Main Street", "zip": f"{75000 + 13 * i}"}, "active": i % 2 == 0,
     })
 
@@ -103,7 +104,7 @@ def main() -> None:
                 walls[kind].append(wall)
         # Greedy speculation gives the baseline's tokens up to float rounding: in float32 they are
         # identical; in bf16 a near-tie can flip where the verifying pass groups tokens differently.
-        same = sum(a == b for a, b in zip(tokens["baseline"], tokens["speculative"]))
+        same = sum(a == b for a, b in zip(tokens["baseline"], tokens["speculative"], strict=True))
         generated = sum(len(t) for t in tokens["baseline"])
         base_tps = generated / statistics.median(walls["baseline"])
         spec_tps = sum(len(t) for t in tokens["speculative"]) / statistics.median(walls["speculative"])
@@ -114,7 +115,8 @@ def main() -> None:
             "batch": batch, "tokens": generated, "baseline tok/s": base_tps, "speculative tok/s": spec_tps,
             "speed-up": spec_tps / base_tps, "acceptance": accepted / max(1, drafted),
             "accepted/step": 1 + accepted / max(1, verified),
-            "baseline s": statistics.median(walls["baseline"]), "speculative s": statistics.median(walls["speculative"]),
+            "baseline s": statistics.median(walls["baseline"]),
+            "speculative s": statistics.median(walls["speculative"]),
             "identical outputs": f"{same}/{batch}",
         })
         print_table(rows[-1:], list(rows[-1]))

@@ -107,10 +107,10 @@ def plot(result: dict, path: str) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4))
-    for ax, batch in zip(axes if len(batches) > 1 else [axes], batches):
+    for ax, batch in zip(axes if len(batches) > 1 else [axes], batches, strict=True):
         sel = [next(r for r in rows if r["config"] == c and r["batch"] == batch) for c in configs]
         bars = ax.bar(configs, [r["tokens_per_s"] for r in sel], color="tab:blue")
-        for bar, r in zip(bars, sel):
+        for bar, r in zip(bars, sel, strict=True):
             ax.annotate(f"{r['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=9)
         ax.set_title(f"batch {batch}")

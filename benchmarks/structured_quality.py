@@ -123,7 +123,7 @@ def measure_setting(setting: str, files: list[Path], llm: LLM, args) -> tuple[di
     outs = llm.chat(chats, params) if accepted else []
     constrained_s = time.perf_counter() - t0
     lengths = []
-    for (row, schema, _), out in zip(accepted, outs):
+    for (row, schema, _), out in zip(accepted, outs, strict=True):
         o = out.outputs[0]
         lengths.append(len(o.token_ids))
         if o.finish_reason != "stop":
@@ -176,7 +176,7 @@ def plot(summaries: list[dict], path: str) -> None:
     for key, colour in parts:
         values = [s[key] for s in summaries]
         ax.bar(names, values, bottom=bottom, color=colour, label=key)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel("schemas")
     ax.set_title(f"JSONSchemaBench sample ({summaries[0]['schemas']} schemas): outcome per backend")
     ax.legend(fontsize=8)
@@ -206,11 +206,12 @@ def main() -> None:
         summary, setting_rows = measure_setting(setting, files, llm, args)
         summaries.append(summary)
         rows.extend(setting_rows)
-    print_table(summaries, ["setting", "schemas", "refused", "compile_error", "compiled", "finished", "valid", "invalid",
-                            "length", "pass_rate", "compile_ms_p50", "compile_ms_p99", "mask_us_per_token", "mask_us_p50",
-                            "tok_s", "unconstrained_tok_s"])
+    print_table(summaries, ["setting", "schemas", "refused", "compile_error", "compiled", "finished", "valid",
+                            "invalid", "length", "pass_rate", "compile_ms_p50", "compile_ms_p99", "mask_us_per_token",
+                            "mask_us_p50", "tok_s", "unconstrained_tok_s"])
     for s in summaries:
-        print(f"{s['setting']}: refusals name {', '.join(s['refusal_keywords']) or 'nothing'}; by backend {s['by_backend']}")
+        print(f"{s['setting']}: refusals name {', '.join(s['refusal_keywords']) or 'nothing'}; "
+              f"by backend {s['by_backend']}")
     payload = {"benchmark": args.name, "machine": info, "args": vars(args), "summaries": summaries, "rows": rows}
     print("wrote", write_json(args.name, payload))
     try:

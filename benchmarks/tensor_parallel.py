@@ -56,7 +56,7 @@ def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
         prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
         ids = [f"r{next(counter)}" for _ in prompts]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for rid, prompt in zip(ids, prompts):
+        for rid, prompt in zip(ids, prompts, strict=True):
             core.add_request(EngineRequest(rid, prompt, params))
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         start = time.perf_counter()

@@ -111,7 +111,8 @@ def generate_sequences_dense(target: LlamaForCausalLM, tokenizer, prompts: list[
             done[live] |= torch.isin(token[live], eos)
             if bool(done.all()):
                 break
-        out.extend(Sequence(ids[i, :n].tolist(), len(x)) for i, (n, x) in enumerate(zip(lens.tolist(), prompt_ids)))
+        out.extend(Sequence(ids[i, :n].tolist(), len(x))
+                   for i, (n, x) in enumerate(zip(lens.tolist(), prompt_ids, strict=True)))
     return out
 
 
@@ -275,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
         target, _ = get_model(args.model, dtype=dtype, device=args.device)
     elif args.generator == "dense":
         target, config = get_model(args.model, dtype=dtype, device=args.device)
-        seqs = generate_sequences_dense(target, get_tokenizer(args.model), training_prompts(args.num_prompts, args.seed),
-                                        args.max_tokens, args.temperatures, list(config.eos_token_ids), args.seed,
+        seqs = generate_sequences_dense(target, get_tokenizer(args.model),
+                                        training_prompts(args.num_prompts, args.seed), args.max_tokens,
+                                        args.temperatures, list(config.eos_token_ids), args.seed,
                                         args.max_num_seqs, args.max_generate_seconds)
     else:
         # On CUDA the engine would otherwise size its KV pool from all free memory, leaving none to train in.

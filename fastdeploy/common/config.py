@@ -118,7 +118,7 @@ class EngineConfig:
     grammar_cache_mb: int = 512
     reasoning_parser: str | None = None  # a fastdeploy.reasoning name, e.g. "think"
     # Speculative decoding (a fastdeploy.common.speculative_config.SpeculativeConfig); None: off.
-    speculative: "SpeculativeConfig | None" = None
+    speculative: SpeculativeConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

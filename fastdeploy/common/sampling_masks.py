@@ -162,7 +162,7 @@ def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> l
     size = _I32.itemsize
     ends = starts + counts64
     bounds = zip((first_entry * size).tolist(), ((first_entry + entries) * size).tolist(),
-                 (offsets64[starts] * size).tolist(), (offsets64[ends] * size).tolist())
+                 (offsets64[starts] * size).tolist(), (offsets64[ends] * size).tolist(), strict=True)
     return [SamplingMasks(table[e0:e1], id_bytes[i0:i1]) for e0, e1, i0, i1 in bounds]
 
 

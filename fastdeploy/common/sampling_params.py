@@ -87,7 +87,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether sampling reads the token history (repetition / presence / frequency penalty)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def for_choice(self, index: int) -> "SamplingParams":
+    def for_choice(self, index: int) -> SamplingParams:
         """The i-th of n samples: its own sequence and its own seed (seed + i), so samples differ."""
         seed = None if self.seed is None else self.seed + index
         return msgspec.structs.replace(self, n=1, seed=seed)

@@ -147,14 +147,14 @@ class EngineArgs:
                                  "before the end marker (e.g. </think>) as `reasoning_content`, and "
                                  "structured-output constraints start only after that marker")
         parser.add_argument("--speculative-config", default=d.speculative_config, type=_speculative_config_arg,
-                            help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                                 '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "mtp", '
+                            help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+                                 '4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "mtp", '
                                  '"num_speculative_tokens": 2}\' (MTP head: "model": DIR; default: the head shipped '
                                  'for the embedded model)')
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 

@@ -57,8 +57,8 @@ class EngineCore:
         self.block_manager = BlockManager(info.num_blocks, info.block_size, enable_prefix_caching=caching)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
-                                   num_draft_model_slots=spec.num_speculative_tokens + 1 if spec and spec.method == "mtp"
-                                   else 0,
+                                   num_draft_model_slots=(spec.num_speculative_tokens + 1
+                                                          if spec and spec.method == "mtp" else 0),
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)

@@ -78,7 +78,7 @@ class LLM:
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutputState, CompletionOutput]] = {}
         requests = []
-        for text, tokens, params in zip(texts, token_lists, params_list):
+        for text, tokens, params in zip(texts, token_lists, params_list, strict=True):
             params.validate(self.config.max_logprobs)
             request_id = str(next(self._request_ids))
             outputs = [CompletionOutput(index=i) for i in range(params.n)]

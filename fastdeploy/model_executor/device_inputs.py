@@ -26,11 +26,11 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Ten
         size += -(-part.nbytes // _ALIGN) * _ALIGN
     host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
     raw = host.numpy()
-    for part, start in zip(parts, offsets):
+    for part, start in zip(parts, offsets, strict=True):
         raw[start:start + part.nbytes] = part.view(np.uint8)
     flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
     return [flat[start:start + part.nbytes].view(torch.from_numpy(part[:0]).dtype)
-            for part, start in zip(parts, offsets)]
+            for part, start in zip(parts, offsets, strict=True)]
 
 
 def upload_int64(arrays: Sequence[Sequence[int] | np.ndarray], device: torch.device) -> list[torch.Tensor]:

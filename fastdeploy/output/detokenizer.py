@@ -20,7 +20,7 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(b)
             codes.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
 
 
 class TokenTexts:

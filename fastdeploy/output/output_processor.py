@@ -121,8 +121,9 @@ class RequestOutputState:
         k = self.params.logprobs
         texts = self.token_texts
         entries = []
-        for ids, values in zip(delta.logprob_token_ids, delta.logprobs):
-            top = [TopLogprob(t, texts.text(t), v, texts.raw_bytes(t)) for t, v in zip(ids[1:k + 1], values[1:k + 1])]
+        for ids, values in zip(delta.logprob_token_ids, delta.logprobs, strict=True):
+            top = [TopLogprob(t, texts.text(t), v, texts.raw_bytes(t))
+                   for t, v in zip(ids[1:k + 1], values[1:k + 1], strict=True)]
             entries.append(TokenLogprob(ids[0], texts.text(ids[0]), values[0], texts.raw_bytes(ids[0]), top))
         return entries
 

@@ -35,7 +35,7 @@ def fill_draft_bitmasks(states: list[GuidedState | None], drafts: list[list[int]
         return None
     bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size, pinned)  # unconstrained rows: all ones
     row = 0
-    for state, draft in zip(states, drafts):
+    for state, draft in zip(states, drafts, strict=True):
         if state is None:
             row += len(draft) + 1
             continue

@@ -63,7 +63,7 @@ def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool
 def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir, worker_process):
     single = _generate(model_dir, 1)
     split = _generate(model_dir, 2, worker_process=worker_process)
-    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
 
@@ -71,7 +71,7 @@ def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir, worker_
 def test_two_ranks_of_a_moe_model_give_the_tokens_of_one(moe_dir):
     single = _generate(moe_dir, 1)
     split = _generate(moe_dir, 2)
-    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
 
@@ -83,7 +83,7 @@ def test_two_gpus_give_the_greedy_tokens_of_one(request, which):
     path = request.getfixturevalue(which)  # Qwen2, and Qwen3-MoE through the fused MoE
     single = _generate(path, 1, device="cuda")
     split = _generate(path, 2, device="cuda")
-    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split):
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-3, rtol=1e-3)
 

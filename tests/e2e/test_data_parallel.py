@@ -15,7 +15,8 @@ from tests.e2e.server import RunningServer
 
 
 def _served_by(metrics: dict[str, float], replica: str) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith("fastdeploy_requests_total{") and f'replica="{replica}"' in k)
+    return sum(v for k, v in metrics.items()
+               if k.startswith("fastdeploy_requests_total{") and f'replica="{replica}"' in k)
 
 
 def _health(server: RunningServer) -> httpx.Response:

@@ -27,7 +27,7 @@ def mask_client(mask_server):
 
 def check_aligned(masks, logz, token_ids, max_size=None, greedy=False, untruncated=False):
     assert len(masks) == len(logz) == len(token_ids) > 0
-    for mask, z, token in zip(masks, logz, token_ids):
+    for mask, z, token in zip(masks, logz, token_ids, strict=True):
         if untruncated:
             assert mask is None and z == 0.0
             continue

@@ -18,7 +18,7 @@ def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(
     # The plain server (no speculation) gives the same greedy text and logprobs.
     plain = client.chat.completions.create(**kwargs)
     assert whole.choices[0].message.content == plain.choices[0].message.content
-    for a, b in zip(whole.choices[0].logprobs.content, plain.choices[0].logprobs.content):
+    for a, b in zip(whole.choices[0].logprobs.content, plain.choices[0].logprobs.content, strict=True):
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
     # Streamed: several tokens may arrive in one chunk; the masks stay aligned with the tokens.
@@ -67,4 +67,4 @@ def test_speculative_masks_are_the_same_sets_as_bitmaps(spec_server):
     decoded = [np.flatnonzero(np.unpackbits(np.frombuffer(base64.b64decode(b), np.uint8), bitorder="little"))
                .tolist() for b in bitmaps]
     assert decoded == masks
-    assert all(t in m and len(m) <= 30 for t, m in zip(tokens, masks))
+    assert all(t in m and len(m) <= 30 for t, m in zip(tokens, masks, strict=True))

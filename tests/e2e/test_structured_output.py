@@ -147,8 +147,8 @@ def test_slow_compile_does_not_stall_other_streams(server, async_client):
     (t0, t1), stamps = asyncio.run(main())
     assert t1 - t0 > 1.0, "the schema compiled too fast to test anything"
     for s in stamps:
-        before = [b - a for a, b in zip(s, s[1:]) if b < t0]
-        during = [b - a for a, b in zip(s, s[1:]) if t0 <= a and b <= t1]
+        before = [b - a for a, b in zip(s, s[1:], strict=False) if b < t0]
+        during = [b - a for a, b in zip(s, s[1:], strict=False) if t0 <= a and b <= t1]
         assert during, "no tokens streamed while the grammar compiled"
         base = sorted(before)[len(before) // 2]
         mid = sorted(during)[len(during) // 2]

@@ -19,7 +19,7 @@ def test_processed_logprobs_renormalise_over_the_kept_set(mask_llm):
     params = SamplingParams(temperature=0.7, top_k=5, max_tokens=8, logprobs=8, seed=0, ignore_eos=True)
     out = mask_llm.generate("The weather today is", params)[0].outputs[0]
     assert len(out.sampling_mask) == len(out.token_ids) == len(out.logprobs) == 8
-    for mask, entry in zip(out.sampling_mask, out.logprobs):
+    for mask, entry in zip(out.sampling_mask, out.logprobs, strict=True):
         assert entry.token_id in mask and len(mask) <= 5
         kept = [t for t in entry.top_logprobs if t.logprob > -math.inf]
         assert sorted(t.token_id for t in kept) == mask
@@ -61,7 +61,7 @@ def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
     service = GrammarCompileService.from_tokenizer(mask_llm.tokenizer, config.vocab_size,
                                                    stop_token_ids=list(config.eos_token_ids))
     state = GuidedState(service.compile(spec))
-    for token, mask in zip(out.token_ids, out.sampling_mask):
+    for token, mask in zip(out.token_ids, out.sampling_mask, strict=True):
         allowed = unpack_token_bitmask(fill_bitmasks([state], config.vocab_size), config.vocab_size)[0]
         assert mask is not None and token in mask
         assert bool(allowed[mask].all()), "a kept token was outside the grammar"
@@ -80,7 +80,7 @@ def test_bitmap_format_offline_gives_the_same_tokens_and_sets(mask_llm):
     ids, bitmap = outs["ids"], outs["bitmap"]
     assert bitmap.token_ids == ids.token_ids and bitmap.sampling_logz == ids.sampling_logz
     width = (mask_llm.engine.executor.runner.model_config.vocab_size + 7) // 8
-    for raw, want in zip(bitmap.sampling_mask, ids.sampling_mask):
+    for raw, want in zip(bitmap.sampling_mask, ids.sampling_mask, strict=True):
         assert isinstance(raw, bytes) and len(raw) == width
         assert np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")).tolist() == want
 

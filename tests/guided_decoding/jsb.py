@@ -47,7 +47,8 @@ def load_cases(tokenizer, directory: Path = JSB_DIR) -> list[Case]:
         texts = [json.dumps(t["data"]) for t in d["tests"]]
         ids = tokenizer(texts, add_special_tokens=False).input_ids if texts else []
         cases.append(
-            Case(path.name, json.dumps(d["schema"]), [(i, bool(t["valid"])) for i, t in zip(ids, d["tests"])])
+            Case(path.name, json.dumps(d["schema"]),
+                 [(i, bool(t["valid"])) for i, t in zip(ids, d["tests"], strict=True)])
         )
     return cases
 

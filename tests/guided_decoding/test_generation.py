@@ -45,7 +45,6 @@ def ask(schema: dict) -> list[dict]:
 def llguidance_schemas(n: int) -> list[tuple[str, dict]]:
     """The n smallest JSONSchemaBench schemas that `auto` gives to llguidance (xgrammar would not
     enforce them), plus the issue's cases llguidance enforces."""
-    from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
     from fastdeploy.model_executor.guided_decoding import resolve_guided_spec
 
     picked = []
@@ -68,7 +67,7 @@ def test_llguidance_outputs_validate(llm):
               for i, spec in enumerate(specs)]
     outs = llm.chat([ask(schema) for _, schema in cases], params)
     finished = 0
-    for (name, schema), out in zip(cases, outs):
+    for (name, schema), out in zip(cases, outs, strict=True):
         o = out.outputs[0]
         if o.finish_reason == "stop":
             finished += 1
@@ -88,7 +87,7 @@ def test_compact_json_has_no_whitespace_outside_strings(llm):
               for backend in ("xgrammar", "llguidance")]
     outs = llm.chat([ask(PERSON)] * len(params), params)
     finished = 0
-    for p, out in zip(params, outs):
+    for p, out in zip(params, outs, strict=True):
         o = out.outputs[0]
         assert not whitespace_outside_strings(o.text), (p.guided.backend, o.text)
         if o.finish_reason == "stop":

@@ -61,13 +61,17 @@ def state_for(compile_service, body: dict) -> GuidedState:
         (
             {"guided_json": SCHEMA},
             [{"name": "Tom", "age": 3, "kind": "cat"}, {"name": "Ada", "age": 36, "tags": ["x", "y"], "kind": "dog"}],
-            [{"name": "Tom", "age": -3, "kind": "cat"}, {"name": "Tom", "kind": "cat"}, {"name": "", "age": 1, "kind": "cat"},
-             {"name": "Tom", "age": 1, "kind": "cow"}, {"name": "T", "age": 1, "kind": "cat", "tags": ["a", "b", "c", "d"]}],
+            [{"name": "Tom", "age": -3, "kind": "cat"}, {"name": "Tom", "kind": "cat"},
+             {"name": "", "age": 1, "kind": "cat"}, {"name": "Tom", "age": 1, "kind": "cow"},
+             {"name": "T", "age": 1, "kind": "cat", "tags": ["a", "b", "c", "d"]}],
         ),
-        ({"response_format": {"type": "json_object"}}, [{"a": [1, 2.5, None, True]}, {}], ["{'a': 1}", '{"a": 1'.strip()]),
+        ({"response_format": {"type": "json_object"}}, [{"a": [1, 2.5, None, True]}, {}],
+         ["{'a': 1}", '{"a": 1'.strip()]),
         ({"guided_regex": r"\d{3}-[a-z]+"}, ["123-abc", "000-z"], ["12-abc", "123-", "123-ABC", "1234-a"]),
-        ({"guided_choice": ["yes", "no", "new\nline", 'q"uote']}, ["yes", "new\nline", 'q"uote'], ["maybe", "ye", "yesno"]),
-        ({"guided_grammar": 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9]+'}, ["(1+22+333)", "(7)"], ["(1+)", "1+2", "()"]),
+        ({"guided_choice": ["yes", "no", "new\nline", 'q"uote']}, ["yes", "new\nline", 'q"uote'],
+         ["maybe", "ye", "yesno"]),
+        ({"guided_grammar": 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9]+'}, ["(1+22+333)", "(7)"],
+         ["(1+)", "1+2", "()"]),
     ],
 )
 def test_valid_instances_accepted_invalid_rejected(compile_service, tokenizer, body, good, bad):
@@ -180,7 +184,8 @@ def test_apply_bitmask_matches_loop_reference(vocab, dtype):
     out = apply_token_bitmask_inplace(logits, bitmask)
     assert out is logits
     assert torch.equal(logits, expected)
-    assert torch.equal(torch.isinf(logits), ~torch.tensor([[allowed(bitmask, b, v) for v in range(vocab)] for b in range(4)]))
+    allowed_rows = [[allowed(bitmask, b, v) for v in range(vocab)] for b in range(4)]
+    assert torch.equal(torch.isinf(logits), ~torch.tensor(allowed_rows))
 
 
 def test_apply_bitmask_on_a_non_contiguous_view_and_narrow_mask_error():

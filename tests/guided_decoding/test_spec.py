@@ -59,7 +59,8 @@ def test_schema_keeps_property_order_and_is_compact():
     spec = guided_spec_from_request({"guided_json": SCHEMA})
     assert spec.value == json.dumps(SCHEMA, separators=(",", ":"))
     # Same schema, same spec: the compile cache / dedup key.
-    assert guided_spec_from_request({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}) == spec
+    body = {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}
+    assert guided_spec_from_request(body) == spec
     assert hash(spec) == hash(GuidedSpec("json_schema", spec.value))
 
 
@@ -92,8 +93,10 @@ def _err(body) -> ParameterError:
         ({"response_format": "json"}, "response_format"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes", "schema": {}}}}, "response_format.json_schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes", "schema": {}}}},
+         "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
+         "response_format.json_schema.schema"),
     ],
 )
 def test_shape_errors_name_the_field(body, param):
@@ -106,7 +109,8 @@ def test_shape_errors_name_the_field(body, param):
         ({"guided_json": {"type": "foo"}}, "response_format", "Unsupported type"),
         ({"guided_json": {"$ref": "#/definitions/missing"}}, "response_format", "JSON schema"),
         ({"guided_json": {"type": "string", "pattern": "(("}}, "response_format", "parenthesis"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format", "nope"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format",
+         "nope"),
         ({"guided_regex": "(("}, "guided_regex", "parenthesis is not closed"),
         ({"guided_regex": "[a-"}, "guided_regex", "Unclosed"),
         ({"guided_grammar": 'root ::= "a" |'}, "guided_grammar", "EBNF"),

@@ -94,7 +94,7 @@ def run_deltas(tokenizer, params: SamplingParams, token_runs: list[list[int]],
     output = CompletionOutput()
     chunks = []
     sequences = {1: Sequence(1, "r", [5], params, return_sampling_mask=True)}
-    for tokens, masks in zip(token_runs, mask_runs):
+    for tokens, masks in zip(token_runs, mask_runs, strict=True):
         for _, delta in TokenProcessor([0], 10_000).process(frame_of([1], [tokens], [masks]), sequences):
             chunk = state.update(delta)
             chunks.append(chunk)

@@ -123,7 +123,7 @@ def test_bitmaps_hold_the_same_sets_as_the_ids(vocab_size: int):
     assert len(bitmaps) == len(lists)
     assert bitmap_lists(bitmaps) == lists
     encoded = orjson.loads(orjson.dumps(bitmaps_json(bitmaps)))
-    for text, want in zip(encoded, lists):
+    for text, want in zip(encoded, lists, strict=True):
         if want is None:
             assert text is None
             continue

@@ -105,7 +105,7 @@ def test_mtp_greedy_equals_non_speculative_for_any_head(base, tmp_path_factory):
                                                         "model": directory})
         got = spec.chat(prompts, params)
         assert spec.engine.spec_stats.num_draft_tokens > 0
-        for e, g in zip(expected, got):
+        for e, g in zip(expected, got, strict=True):
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
-            for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
                 assert lg.logprob == pytest.approx(le.logprob, abs=1e-4)

@@ -64,7 +64,7 @@ def test_shipped_head_is_exact_and_accepts_on_held_out_prompts(base):
     spec = LLM(max_num_seqs=4, guided_decoding_backend="off",
                speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # no "model": the shipped head
     got = spec.chat(prompts, params)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
     stats = spec.engine.spec_stats
     assert stats.num_draft_tokens > 0

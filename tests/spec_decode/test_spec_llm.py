@@ -41,14 +41,14 @@ def test_greedy_tokens_and_logprobs_equal_non_speculative(base, spec):
     expected = base.chat(PROMPTS, params)
     got = spec.chat(PROMPTS, params)
     assert spec.engine.spec_stats.num_accepted_draft_tokens - before > 20, "no drafts were accepted"
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         e, g = e.outputs[0], g.outputs[0]
         assert g.token_ids == e.token_ids
         assert g.finish_reason == e.finish_reason
-        for le, lg in zip(e.logprobs, g.logprobs):
+        for le, lg in zip(e.logprobs, g.logprobs, strict=True):
             assert lg.logprob == pytest.approx(le.logprob, abs=1e-4)
             assert [t.token_id for t in lg.top_logprobs] == [t.token_id for t in le.top_logprobs]
-            for te, tg in zip(le.top_logprobs, lg.top_logprobs):
+            for te, tg in zip(le.top_logprobs, lg.top_logprobs, strict=True):
                 assert tg.logprob == pytest.approx(te.logprob, abs=1e-4)
         assert g.sampling_mask == [[t] for t in g.token_ids]  # greedy: the argmax
 
@@ -86,7 +86,7 @@ def test_sampled_masks_and_top_logprobs_are_the_targets_at_each_position(base, s
         assert g.sampling_mask[i] == r.sampling_mask[0]
         assert g.sampling_logz[i] == pytest.approx(r.sampling_logz[0], abs=1e-5)
         assert [t.token_id for t in g.logprobs[i].top_logprobs] == [t.token_id for t in r.logprobs[0].top_logprobs]
-        for tg, tr in zip(g.logprobs[i].top_logprobs, r.logprobs[0].top_logprobs):
+        for tg, tr in zip(g.logprobs[i].top_logprobs, r.logprobs[0].top_logprobs, strict=True):
             assert tg.logprob == pytest.approx(tr.logprob, abs=1e-4)
 
 

@@ -62,7 +62,7 @@ class TransportLimits:
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "TransportLimits":
+    def from_cli_args(cls, args: argparse.Namespace) -> TransportLimits:
         if args.max_request_body_bytes < 1 or args.max_json_depth < 1:
             raise SystemExit("--max-request-body-bytes and --max-json-depth must be positive")
         return cls(max_body_bytes=args.max_request_body_bytes, max_json_depth=args.max_json_depth)

@@ -46,7 +46,7 @@ class TokenMatcher(Protocol):
 class CompiledGrammar:
     """A grammar ready for matching; shared by every sequence with the same spec."""
 
-    backend: "GrammarBackend"
+    backend: GrammarBackend
     spec: GuidedSpec
     handle: Any  # the backend's own object (xgrammar.CompiledGrammar, llguidance grammar)
     memory_bytes: int  # what the compile cache charges for keeping it

@@ -116,7 +116,7 @@ class GrammarCompileService:
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, *, backends: Sequence[str] = ("xgrammar",),
                        stop_token_ids: list[int] | None = None, compiler_threads: int | None = None,
-                       **kwargs) -> "GrammarCompileService":
+                       **kwargs) -> GrammarCompileService:
         """Build the named backends for a HF tokenizer (see build_backend)."""
         return cls([build_backend(name, tokenizer, vocab_size, stop_token_ids, compiler_threads) for name in backends],
                    **kwargs)

@@ -172,7 +172,7 @@ class LLGuidanceBackend:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, stop_token_ids: list[int] | None = None,
-                       **_ignored) -> "LLGuidanceBackend":
+                       **_ignored) -> LLGuidanceBackend:
         """vocab_size: the model's logits width (default len(tokenizer)); stop_token_ids: tokens
         that end a constrained output (default the tokenizer's eos)."""
         import llguidance.hf

@@ -145,7 +145,7 @@ class XGrammarBackend:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, stop_token_ids: list[int] | None = None,
-                       **kwargs) -> "XGrammarBackend":
+                       **kwargs) -> XGrammarBackend:
         return cls(tokenizer_info_from_hf(tokenizer, vocab_size, stop_token_ids), **kwargs)
 
     def compile(self, spec: GuidedSpec) -> CompiledGrammar:

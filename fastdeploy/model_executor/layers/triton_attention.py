@@ -103,7 +103,7 @@ class PrefillTiles:
     tile_rows: torch.Tensor  # int32 [num_tiles]: the program's first query row in its chunk
 
     @classmethod
-    def build(cls, prefills: list, group: int, block_size: int, device: torch.device) -> "PrefillTiles":
+    def build(cls, prefills: list, group: int, block_size: int, device: torch.device) -> PrefillTiles:
         """From `PrefillSeq`s; everything travels to the device in one copy."""
         num = len(prefills)
         width = max(-(-p.context_len // block_size) for p in prefills)
