@@ -29,6 +29,7 @@ import statistics
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -42,7 +43,8 @@ from benchmarks.common import (  # noqa: E402
     queued_device_ms,
     write_json,
 )
-from fastdeploy.model_executor.layers.sample import kept_set_gpu  # noqa: E402
+from fastdeploy.model_executor.layers.sample import kept_set_gpu, kept_set_mask_kernels  # noqa: E402
+from tests.layers.sample.kept_set_csr import offsets_of  # noqa: E402
 
 SCALES = {"peaked": 4.0, "flat": 1.0, "near-uniform": 0.3}
 
@@ -51,6 +53,27 @@ def shapes(rows: int, v: int, device: torch.device) -> dict[str, tuple[int, int,
     split_parts = kept_set_gpu._compact_parts(rows, v, device)
     chosen = (*kept_set_gpu._compact_split(rows, v, device), kept_set_gpu.COMPACT_WARPS_PER_PROGRAM)
     return {"before": (1, 1024, 4), "rows": (1, 4096, 8), "split": (split_parts, 2048, 8), "chosen": chosen}
+
+
+def compact(x: torch.Tensor, bounds: kept_set_gpu.KeptBounds, offsets: torch.Tensor, total: int,
+            launch: tuple[int, int, int]) -> torch.Tensor:
+    """`kept_set_gpu.compact` with the launch shape (programs per row, logits per loop step, warps)
+    given instead of `_compact_split`'s choice."""
+    r, v = x.shape
+    ids = torch.empty(total, dtype=torch.int32, device=x.device)
+    if not (r and total):
+        return ids
+    pf = bounds.candidates
+    if pf is None:
+        args = (x, offsets, 0, offsets, offsets)
+    else:
+        args = (pf.x, pf.ids, pf.x.shape[1], pf.count, kept_set_gpu.candidate_rows(pf))
+    parts, block, warps = launch
+    chunk = triton.cdiv(triton.cdiv(v, parts), block) * block
+    kept_set_mask_kernels._compact_kernel[(r, parts)](x, x.stride(0), v, bounds.value, bounds.last_id, offsets, ids,
+                                                      *args, chunk, CANDIDATE_ROWS=pf is not None, BLOCK=block,
+                                                      num_warps=warps)
+    return ids
 
 
 def device_ms(fn, calls: int) -> float:
@@ -63,7 +86,7 @@ def plot(rows: list[dict], names: list[str], device_name: str, path: str) -> Non
     kinds = list(dict.fromkeys(r["logits"] for r in rows))
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 3.8))
     axes = list(axes) if len(kinds) > 1 else [axes]
-    for ax, kind in zip(axes, kinds):
+    for ax, kind in zip(axes, kinds, strict=True):
         sel = [r for r in rows if r["logits"] == kind]
         xs = range(len(sel))
         width = 0.8 / (len(names) + 1)
@@ -99,15 +122,15 @@ def main() -> None:
                 ones, zeros = torch.ones(b, device=device), torch.zeros(b, device=device)
                 bounds = kept_set_gpu.kept_bounds(x, ones, torch.zeros(b, dtype=torch.int64, device=device),
                                                   torch.full((b,), 0.95, device=device), zeros)
-                offsets = kept_set_gpu._offsets(bounds.count)
+                offsets = offsets_of(bounds.count)
                 total = int(offsets[-1])
-                reference = kept_set_gpu.compact(x, bounds, offsets, total, launch=(1, 1024, 4))
+                reference = compact(x, bounds, offsets, total, launch=(1, 1024, 4))
                 row = {"logits": kind, "batch": b, "vocab": v, "ids_per_row": total // b}
                 for name, launch in shapes(b, v, device).items():
-                    out = kept_set_gpu.compact(x, bounds, offsets, total, launch=launch)
+                    out = compact(x, bounds, offsets, total, launch=launch)
                     if not torch.equal(out, reference):
                         raise AssertionError(f"{name} {launch} wrote other ids than the reference launch")
-                    call = functools.partial(kept_set_gpu.compact, x, bounds, offsets, total, launch=launch)
+                    call = functools.partial(compact, x, bounds, offsets, total, launch=launch)
                     row[f"{name}_us"] = 1e3 * device_ms(call, args.calls)
                     row[f"{name}_launch"] = list(launch)
                 read = b * v * 4 if bounds.candidates is None else int(bounds.candidates.full_row.sum()) * v * 4

@@ -6,10 +6,10 @@
 Kernel: for B in {1, 32, 256} x V in {49152, 151936}, the kept set of every row with
 its CSR compaction and the copy of offsets / ids / logZ to the host, by
 
-* "fast": CUDA: `kept_set_gpu.kept_set_csr` (a candidate prefilter over many programs
+* "fast": CUDA: `kept_set_csr` of tests/layers/sample/kept_set_csr.py (a candidate prefilter over many programs
   per row, one Triton program per row finds the kept prefix, a compaction writes the CSR
   ids); CPU: the windowed partial sort of `truncation.py`, then CSR by a nonzero;
-* "full sort": `reference.kept_set_full_sort` (stable sort of every row, float64
+* "full sort": `truncation.kept_set_full_sort` (stable sort of every row, float64
   running sum), then CSR by a nonzero;
 
 "masks_equal": both give the same CSR (offsets and ids).
@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg  # noqa: E402
-from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort  # noqa: E402
-from fastdeploy.model_executor.layers.sample.truncation import kept_logz, kept_window  # noqa: E402
+from fastdeploy.model_executor.layers.sample.truncation import kept_logz, kept_set_full_sort, kept_window  # noqa: E402
+from tests.layers.sample.kept_set_csr import kept_set_csr  # noqa: E402
 
 BATCHES = (1, 32, 256)
 VOCABS = (49152, 151936)
@@ -132,7 +132,7 @@ def _full_sort_csr(x, t, k, p, mp):
 def kernel_grid(device: torch.device, reps: int, budget_s: float) -> list[dict]:
     bw = bandwidth_gbs(device)
     print(f"measured bandwidth: {bw:.0f} GB/s")
-    fast_csr = ksg.kept_set_csr if ksg.uses_fast_path(device) else _window_csr
+    fast_csr = kept_set_csr if ksg.uses_fast_path(device) else _window_csr
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, (scale, t, k, p, mp) in KERNEL_CONFIGS.items():
@@ -146,8 +146,8 @@ def kernel_grid(device: torch.device, reps: int, budget_s: float) -> list[dict]:
                     offsets, ids, logz = csr
                     return offsets.cpu(), ids.cpu(), logz.float().cpu()
 
-                fast = lambda: to_host(fast_csr(x, *params))  # noqa: E731
-                full = lambda: to_host(_full_sort_csr(x, *params))  # noqa: E731
+                fast = lambda x=x, params=params: to_host(fast_csr(x, *params))  # noqa: E731
+                full = lambda x=x, params=params: to_host(_full_sort_csr(x, *params))  # noqa: E731
                 (go, gi, gl), (wo, wi, wl) = fast(), full()
                 same = bool(torch.equal(go, wo) and torch.equal(gi, wi))
                 logz_err = float((gl.double() - wl.double()).abs().max())
@@ -253,8 +253,8 @@ def plot(kernel: list[dict], e2e_rows: list[dict], device_name: str, path: str) 
     n = len(configs) + (1 if e2e_rows else 0)
     fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.8))
     axes = list(axes) if n > 1 else [axes]
-    for ax, name in zip(axes, configs):
-        for v, style in zip(VOCABS, ("-", "--")):
+    for ax, name in zip(axes, configs, strict=True):
+        for v, style in zip(VOCABS, ("-", "--"), strict=True):
             rows = [r for r in kernel if r["config"] == name and r["vocab"] == v]
             bs = [r["batch"] for r in rows]
             ax.plot(bs, [r["full_sort_ms"] for r in rows], "o" + style, color="C0", label=f"full sort V={v}")

@@ -9,7 +9,7 @@ Every engine and worker phase of each steady decode step (the first 3 and last 2
 run are left out) is timed on the host with `time.perf_counter` around the function that
 does it: no profiler, so the step keeps its own timing. A phase that waits for the device
 ("wait" in its name) includes that wait; phases nest (the sampler's mask fill lies inside
-the sampler; the worker's phases inside "execute: launch" and "execute: result", between
+the sampler; the worker's phases inside "execute: launch" and "execute: finish", between
 which the engine cuts the previous step's masks when the step runs beside it, on a GPU).
 The start-up heap is frozen out
 of garbage collection first, as the serving processes do.
@@ -50,10 +50,11 @@ TAIL_STEPS = 2
 
 def phase_targets() -> list[tuple[object, str, str]]:
     """(owner, attribute, phase label): the functions timed, engine side first."""
-    from fastdeploy.model_executor.layers.sample import kept_set_gpu, sampler
+    from fastdeploy.model_executor.layers.sample import kept_set_gpu, kept_set_torch, kept_set_triton
     from fastdeploy.output import token_processor
     from fastdeploy.scheduler import scheduler
-    from fastdeploy.worker import model_runner, step_output
+    from fastdeploy.ops import step_packer
+    from fastdeploy.worker import input_prep, model_runner, slot_layout, step_output
 
     return [
         (scheduler.Scheduler, "schedule", "engine: schedule"),
@@ -61,19 +62,19 @@ def phase_targets() -> list[tuple[object, str, str]]:
         (token_processor.TokenProcessor, "attach_masks", "engine: token processor (masks)"),
         (step_output.StepOutput, "wait_mask_ids", "engine: wait for mask ids"),
         (model_runner.ModelRunner, "launch", "execute: launch"),
-        (step_output.LaunchedStep, "result", "execute: result (wait frame)"),
-        (model_runner.ModelRunner, "_prepare_inputs", "worker: prepare inputs"),
+        (model_runner.ModelRunner, "finish", "execute: finish (wait frame)"),
+        (input_prep, "prepare_inputs", "worker: prepare inputs"),
         (model_runner.ModelRunner, "_forward", "worker: forward (on CUDA the launch)"),
-        (model_runner.ModelRunner, "_sampling_metadata", "worker: sampling metadata"),
+        (input_prep, "sampling_metadata", "worker: sampling metadata"),
         (model_runner.Sampler, "__call__", "worker: sampler"),
         (kept_set_gpu, "fill_sampling_mask_dense", "worker: sampler: mask fill (CUDA)"),
         (sampler, "pack_bits", "worker: sampler: pack bitmaps"),
         (token_processor, "bitmap_rows", "engine: token processor: bitmap rows"),
-        (model_runner, "_step_slots", "worker: slot layout"),
-        (model_runner, "pack_step_slots_tensor", "worker: pack (wait frame)"),
-        (model_runner, "pack_step_slots_split", "worker: pack split (wait head)"),
-        (model_runner, "pack_step_slots_copying_ids", "worker: pack, ids copied later (wait head)"),
-        (model_runner, "unpack_step_frame_op", "worker: unpack"),
+        (slot_layout, "step_slots", "worker: slot layout"),
+        (step_packer.CpuOpPacker, "pack", "worker: pack (C++ op)"),
+        (step_packer.CudaOpPacker, "pack", "worker: pack (wait frame, or its head)"),
+        (step_packer, "unpack_step_frame", "worker: unpack"),
+        (token_processor, "unpack_step_frame", "engine: unpack"),
     ]
 
 
@@ -138,7 +139,7 @@ def run_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
             engine.step()
             walls.append(time.perf_counter() - start)
         _, gc_after = COLLECTOR.snapshot()
-        for generation, (after, before) in enumerate(zip(gc_after, gc_before)):
+        for generation, (after, before) in enumerate(zip(gc_after, gc_before, strict=True)):
             if after > before:
                 totals[f"gc: generation {generation}"] += after - before
         per_step.append(totals)
@@ -212,8 +213,8 @@ def plot(rows: list[dict], device_name: str, path: str) -> None:
     for i, label in enumerate(labels):
         widths = [r["phases_ms"].get(label, 0.0) for r in rows]
         ax.barh(names, widths, 0.7, left=left, label=label, color=plt.cm.tab20(i % 20))
-        left = [a + b for a, b in zip(left, widths)]
-    rest = [max(0.0, r["median_step_ms"] - x) for r, x in zip(rows, left)]
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    rest = [max(0.0, r["median_step_ms"] - x) for r, x in zip(rows, left, strict=True)]
     ax.barh(names, rest, 0.7, left=left, label="rest of the step", color="lightgray")
     ax.set_xlabel(f"host ms per steady decode step ({device_name})")
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))

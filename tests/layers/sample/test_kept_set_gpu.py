@@ -2,7 +2,7 @@
 
 CPU (CI): the Triton kernels run in Triton's interpreter (one child process
 for the module, with TRITON_INTERPRET=1, CPU tensors) against the per-row float64 reference.
-GPU (`gpu` marker, needs CUDA): `kept_set` and `kept_set_csr` on the device produce
+GPU (`gpu` marker, needs CUDA): `kept_set` and `kept_set_csr` (kept_set_csr.py) on the device produce
 the same masks as the vectorised float64 full sort on the CPU for B in {1, 32, 256},
 V in {49152, 151936}, and the sampler's CUDA branch keeps every sampled token inside
 its mask.
@@ -17,15 +17,17 @@ import sys
 import numpy as np
 import pytest
 import torch
+from kept_set_csr import kept_set_csr
+from kept_set_reference import reference_kept_set
 from sampler_test_utils import csr_row, make_meta
 from triton_interpreter import InterpreterProcess
 
 from fastdeploy.common.sampling_masks import logz_values
 from fastdeploy.model_executor.layers.sample import kept_set_gpu as ksg
+from fastdeploy.model_executor.layers.sample.kept_set import GREEDY_SLOT, PLAIN_SLOT, UNSETTLED_TOKEN
 from fastdeploy.model_executor.layers.sample.metadata import RowGroups
-from fastdeploy.model_executor.layers.sample.reference import kept_set_full_sort, reference_kept_set
-from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler, process_logits
-from fastdeploy.model_executor.layers.sample.truncation import KeptSet
+from fastdeploy.model_executor.layers.sample.sampler import Sampler, process_logits
+from fastdeploy.model_executor.layers.sample.truncation import KeptSet, kept_set_full_sort
 
 LOGZ_TOL = 1e-5
 TEMPS = [0.3, 0.7, 1.0, 1.0, 1.5]
@@ -94,7 +96,7 @@ def _kernel_kept_set(x, t, k, p, mp) -> KeptSet:
     b = ksg.kept_bounds(x, t, k, p, mp)
     assert int(b.failed.sum()) == 0, b.failed.nonzero().squeeze(1).tolist()
     mask = ksg.dense_mask(x, b.value, b.last_id)
-    offsets, ids, logz = ksg.kept_set_csr(x, t, k, p, mp)
+    offsets, ids, logz = kept_set_csr(x, t, k, p, mp)
     assert torch.equal(offsets.diff().cpu(), b.count.cpu())
     assert torch.equal(ids.long().cpu(), mask.nonzero()[:, 1].cpu())  # row-major: the CSR order
     assert torch.equal(logz, b.logz)
@@ -315,8 +317,8 @@ def _runner_row_groups(t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: to
     greedy = t <= 0
     trunc = ~greedy & ((k > 0) | (p < 1) | (mp > 0))
     groups = [m.nonzero().squeeze(1) for m in (greedy, trunc, ~greedy & ~trunc)]
-    slots = torch.full(t.shape, -1, dtype=torch.int32)
-    slots[groups[0]] = ksg.GREEDY_SLOT
+    slots = torch.full(t.shape, PLAIN_SLOT, dtype=torch.int32)
+    slots[groups[0]] = GREEDY_SLOT
     slots[groups[1]] = torch.arange(groups[1].numel(), dtype=torch.int32)
     return RowGroups(*groups, tuple(g.tolist() for g in groups), mask_slots=slots,
                      truncated_top_k=k[groups[1]].numpy())
@@ -426,7 +428,7 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
     cpu = generate(False)
     assert [tokens for tokens, _, _ in fast] == [tokens for tokens, _, _ in cpu]
     assert [masks for _, masks, _ in fast] == [masks for _, masks, _ in cpu]
-    for (_, _, got), (_, _, want) in zip(fast, cpu):
+    for (_, _, got), (_, _, want) in zip(fast, cpu, strict=True):
         np.testing.assert_allclose(got, want, atol=LOGZ_TOL, rtol=0)
 
 
@@ -624,7 +626,7 @@ def test_gpu_masks_identical_to_cpu_reference(b, v):
         dev = [a.cuda() for a in (x, t, k, p, mp)]
         flagged[name] = flagged.get(name, 0) + int(ksg.kept_bounds(*dev).failed.sum())
         got = ksg.kept_set(*dev)  # flagged rows redone by the full sort
-        offsets, ids, logz = ksg.kept_set_csr(*dev)
+        offsets, ids, logz = kept_set_csr(*dev)
         mask = got.mask.cpu()
         assert torch.equal(offsets.diff().cpu(), got.count.cpu()), name
         assert torch.equal(ids.long().cpu(), mask.nonzero()[:, 1]), name

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from kept_set_reference import reference_kept_set
 from sampler_test_utils import csr_row, make_meta
 
-from fastdeploy.model_executor.layers.sample.reference import reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import Sampler, process_logits
 
 TEMPS = [0.0, 0.3, 0.7, 1.0, 1.0, 1.5]

@@ -23,7 +23,7 @@ def test_logit_bias_accumulates_duplicates():
     vals = torch.tensor([1.5, 2.0, -3.0, 0.25, -1.0])
     apply_logit_bias_(logits, rows, cols, vals)
     expected = torch.zeros(3, 10)
-    for r, c, v in zip(rows.tolist(), cols.tolist(), vals.tolist()):
+    for r, c, v in zip(rows.tolist(), cols.tolist(), vals.tolist(), strict=True):
         expected[r, c] += v
     torch.testing.assert_close(logits, expected)
     assert apply_logit_bias_(logits, None, None, None) is logits

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kept_set_reference import reference_kept_set
 from sampler_test_utils import make_meta
 from scipy.stats import chisquare
 
-from fastdeploy.model_executor.layers.sample.reference import reference_kept_set
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 
 LOGITS = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.9, 0.4, 0.3, 0.0, -0.5, -1.0, -1.7, -3.0])

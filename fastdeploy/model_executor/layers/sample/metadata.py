@@ -21,7 +21,7 @@ class RowGroups:
     truncated: torch.Tensor  # not greedy, and top_k > 0, top_p < 1 or min_p > 0
     plain: torch.Tensor  # neither: a draw over the whole vocabulary
     host: tuple[list[int], list[int], list[int]]  # the same three, as host lists
-    # int32 [B]: each row's index in `truncated`, GREEDY_SLOT (-2) if greedy, -1 if plain. The
+    # int32 [B]: each row's index in `truncated`, GREEDY_SLOT if greedy, PLAIN_SLOT if plain (`kept_set`). The
     # CUDA sampling-mask kernel reads it; None when no row wants a mask.
     mask_slots: torch.Tensor | None = None
     # int64 [T] on the host: the truncating rows' top_k (0 = off). A row keeps at most top_k

@@ -110,6 +110,7 @@ def apply_penalties_(
             if prompt_token_ids is not None:
                 prompt_seen = token_counts(prompt_token_ids, vocab) > 0
                 seen = prompt_seen if seen is None else (seen | prompt_seen)
+            assert seen is not None  # prompt or output tokens were given
             penalised = torch.where(logits > 0, logits / rep, logits * rep)
             logits.copy_(torch.where(seen, penalised, logits))
 

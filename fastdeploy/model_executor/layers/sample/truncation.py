@@ -1,7 +1,7 @@
 """Kept set of top-k / top-p / min-p truncation, vectorised over rows.
 
 Decisions (which tokens survive) are made in float64 from the float32 processed
-logits, so they agree with the float64 reference (`reference.py`) everywhere
+logits, so they agree with the float64 reference (tests/layers/sample/kept_set_reference.py) everywhere
 except at exact ties: a float32 cumulative sum over 49k tokens would flip top-p
 boundary decisions within ~1e-6 of ``top_p`` often enough to matter for RL
 trainers that replay the kept set.
@@ -215,3 +215,41 @@ def kept_logz(window: KeptWindow) -> torch.Tensor:
     """float64 [R]: log of the softmax mass of the kept set, ``log sum_{i in keep} p_i``."""
     masked = window.x.masked_fill(~window.keep, -math.inf)
     return torch.logsumexp(masked, dim=1) - window.lse
+
+
+def kept_set_full_sort(
+    proc: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> KeptSet:
+    """Kept sets of R rows by a stable full sort of every row and a float64 running sum (any device).
+
+    The vectorised form of the per-row float64 reference (tests/layers/sample/kept_set_reference.py);
+    the GPU path redoes the rows its kernel could not settle with it, and tests and benchmarks
+    hold the fast paths to it. proc float32 [R, V] (before temperature); temperature > 0.
+    """
+    proc = proc.float()
+    r, v = proc.shape
+    dev = proc.device
+    t64 = temperature.to(device=dev, dtype=torch.float64).unsqueeze(1)
+    tp = top_p.to(device=dev, dtype=torch.float64).unsqueeze(1)
+    mp = min_p.to(device=dev, dtype=torch.float64).unsqueeze(1)
+    top_k = top_k.to(device=dev, dtype=torch.int64)
+    ke = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).unsqueeze(1)
+    vals, idx = torch.sort(proc, dim=1, descending=True, stable=True)
+    e = vals.double().sub_(vals[:, :1].double()).div_(t64).exp_()
+    z = e.sum(dim=1)
+    in_k = torch.arange(v, device=dev).unsqueeze(0) < ke
+    q = e * in_k
+    q = q / q.sum(dim=1, keepdim=True)
+    cum = torch.cumsum(q, dim=1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+    keep = in_k & ((tp >= 1.0) | (before < tp)) & ((mp <= 0) | (e >= mp))
+    keep[:, 0] = True
+    keep = keep.cumprod(dim=1).bool()  # prefix (already is; cheap insurance)
+    kept = (e * keep).sum(dim=1)
+    keep &= vals > -math.inf
+    mask = torch.zeros_like(keep).scatter_(1, idx, keep)
+    return KeptSet(mask, mask.sum(dim=1), torch.log(kept) - torch.log(z))

@@ -9,9 +9,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-
-from fastdeploy.model_executor.layers.sample.truncation import KeptSet
 
 # Decision margins this close to zero count as ties: the sampler's float64 sums
 # use a different summation order, so they may round the other way.
@@ -109,40 +106,3 @@ def reference_kept_set(
     mass = sum(float(p[t]) for t in kept)
     logz = math.log(mass) if mass > 0 else float("-inf")
     return ReferenceKeptSet(ids, logz, ambiguous)
-
-
-def kept_set_full_sort(
-    proc: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> KeptSet:
-    """Kept sets of R rows by a stable full sort of every row and a float64 running sum (any device).
-
-    The vectorised form of `reference_kept_set`, which the fast paths are held to in tests
-    and benchmarks. proc float32 [R, V] (before temperature); temperature > 0.
-    """
-    proc = proc.float()
-    r, v = proc.shape
-    dev = proc.device
-    t64 = temperature.to(device=dev, dtype=torch.float64).unsqueeze(1)
-    tp = top_p.to(device=dev, dtype=torch.float64).unsqueeze(1)
-    mp = min_p.to(device=dev, dtype=torch.float64).unsqueeze(1)
-    top_k = top_k.to(device=dev, dtype=torch.int64)
-    ke = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).unsqueeze(1)
-    vals, idx = torch.sort(proc, dim=1, descending=True, stable=True)
-    e = vals.double().sub_(vals[:, :1].double()).div_(t64).exp_()
-    z = e.sum(dim=1)
-    in_k = torch.arange(v, device=dev).unsqueeze(0) < ke
-    q = e * in_k
-    q = q / q.sum(dim=1, keepdim=True)
-    cum = torch.cumsum(q, dim=1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-    keep = in_k & ((tp >= 1.0) | (before < tp)) & ((mp <= 0) | (e >= mp))
-    keep[:, 0] = True
-    keep = keep.cumprod(dim=1).bool()  # prefix (already is; cheap insurance)
-    kept = (e * keep).sum(dim=1)
-    keep &= vals > -math.inf
-    mask = torch.zeros_like(keep).scatter_(1, idx, keep)
-    return KeptSet(mask, mask.sum(dim=1), torch.log(kept) - torch.log(z))

@@ -1,0 +1,148 @@
+"""The torch kept-set backend: sorted windows decided in float64 (`truncation.kept_window`).
+
+Any device; exact (every set settled), so it is also the oracle of the Triton backend. The
+draw only looks at each row's window: its noise is drawn at the window's ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastdeploy.model_executor.layers.sample.kept_set import KeptSets, NoiseFn
+from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput, SamplingMetadata
+from fastdeploy.model_executor.layers.sample.ops import pack_bits
+from fastdeploy.model_executor.layers.sample.truncation import (
+    KeptWindow,
+    kept_logz,
+    kept_window,
+    scaled_lse,
+    take_rows,
+)
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class WindowKeptSets:
+    """Kept sets of T rows as sorted windows; ``x`` (float32 [T, W], proc / temperature at the
+    window's ids) is set by `draw`."""
+
+    window: KeptWindow
+    proc: torch.Tensor  # float32 [T, V]
+    temperature: torch.Tensor  # [T]
+    x: torch.Tensor | None = None
+
+    def draw(self, noise: NoiseFn) -> torch.Tensor:
+        win = self.window
+        self.x = self.proc.gather(1, win.idx) / self.temperature.unsqueeze(1)  # float32 [T, W]
+        scores = self.x + noise(win.idx)
+        scores.masked_fill_(~win.keep, NEG_INF)
+        return win.idx.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
+
+    def write_processed_logits(self, final: torch.Tensor, rows: torch.Tensor) -> None:
+        assert self.x is not None, "draw first"
+        win = self.window
+        r_ix = rows.unsqueeze(1).expand_as(win.idx)[win.keep]
+        final[r_ix, win.idx[win.keep]] = self.x[win.keep]
+
+    def unsettled(self) -> torch.Tensor | None:
+        return None
+
+
+class TorchKeptSetBackend:
+    """`KeptSetBackend` on any device."""
+
+    def kept_sets(
+        self,
+        proc: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        settle: bool,
+        want_logz: torch.Tensor | None,
+    ) -> WindowKeptSets:
+        window = kept_window(proc, temperature, top_k, top_p, min_p, want_lse=want_logz)
+        return WindowKeptSets(window, proc, temperature)
+
+    def fill_sampling_mask(
+        self,
+        out: SamplerOutput,
+        proc: torch.Tensor,
+        meta: SamplingMetadata,
+        requested: torch.Tensor,
+        groups: tuple[torch.Tensor, torch.Tensor],
+        kept: KeptSets | None,
+        as_bits: torch.Tensor | None,
+    ) -> None:
+        assert kept is None or isinstance(kept, WindowKeptSets)
+        g_rows, t_rows = groups
+        fill_sampling_mask(out, proc, requested, g_rows, t_rows, kept.window if kept is not None else None, as_bits)
+
+
+def fill_sampling_mask(
+    out: SamplerOutput,
+    proc: torch.Tensor,
+    requested: torch.Tensor,
+    g_rows: torch.Tensor,
+    t_rows: torch.Tensor,
+    win: KeptWindow | None,
+    as_bits: torch.Tensor | None = None,
+) -> None:
+    """Kept sets as CSR (int32 offsets [B+1], ids [M] ascending per row) and logz float32 [B];
+    the rows of `as_bits` (bool [B]) as bitmaps (`out.mask_bits`) with empty CSR rows.
+
+    Rows that do not truncate, or did not ask, get an empty CSR row and logz 0.
+    """
+    device = proc.device
+    b, v = proc.shape
+    logz = torch.zeros(b, dtype=torch.float32, device=device)
+    # Every kept id is set in a dense [B, V] flag array; selecting the column ids it flags lists
+    # them row by row in ascending order, which is the CSR. Sorting each row's window of ids instead cost about
+    # 30 ms per step at batch 16 with 40,000-id sets (a third of a flat step on 2 CPU cores).
+    kept_flags = torch.zeros(b, v, dtype=torch.bool, device=device)
+
+    if t_rows.numel():
+        assert win is not None, "truncating rows come with their windows"
+        sel = requested[t_rows]
+        rows: torch.Tensor | None
+        if bool(sel.all()):
+            rows, sub = t_rows, win
+        elif bool(sel.any()):
+            rows, sub = t_rows[sel], KeptWindow(win.idx[sel], win.x[sel], win.keep[sel], win.lse[sel])
+        else:
+            rows, sub = None, win
+        if rows is not None:
+            # A window's kept entries are a prefix that starts at its top id, which is always kept;
+            # pointing the entries past the prefix at that id makes one scatter of True set exactly
+            # the kept ids (about a third of the time of a boolean-indexed write of every kept id).
+            ids = torch.where(sub.keep, sub.idx, sub.idx[:, :1])
+            if rows.numel() == b:
+                kept_flags.scatter_(1, ids, True)
+            else:
+                kept_flags[rows] = torch.zeros(rows.numel(), v, dtype=torch.bool, device=device).scatter_(1, ids, True)
+            logz[rows] = kept_logz(sub).float()
+    if g_rows.numel():
+        rows = g_rows[requested[g_rows]]
+        if rows.numel():
+            tok = out.sampled_token_ids[rows]
+            kept_flags[rows, tok] = True
+            # Greedy rows report the argmax's mass under the temperature-1 softmax.
+            x = take_rows(proc, rows)
+            lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
+            logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
+
+    out.logz = logz
+    if as_bits is not None:
+        out.mask_bits = pack_bits(kept_flags & as_bits.unsqueeze(1))
+        if bool((as_bits | ~requested).all()):  # no row lists ids: the CSR is empty
+            out.mask_offsets = torch.zeros(b + 1, dtype=torch.int32, device=device)
+            out.mask_ids = torch.empty(0, dtype=torch.int32, device=device)
+            return
+        kept_flags[as_bits] = False
+    offsets = torch.zeros(b + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(kept_flags.sum(dim=1), dim=0)
+    out.mask_ids = torch.arange(v, dtype=torch.int32, device=device).expand(b, v).masked_select(kept_flags)
+    out.mask_offsets = offsets.to(torch.int32)
