@@ -51,9 +51,9 @@ TAIL_STEPS = 2
 def phase_targets() -> list[tuple[object, str, str]]:
     """(owner, attribute, phase label): the functions timed, engine side first."""
     from fastdeploy.model_executor.layers.sample import kept_set_gpu, kept_set_torch, kept_set_triton
+    from fastdeploy.ops import step_packer
     from fastdeploy.output import token_processor
     from fastdeploy.scheduler import scheduler
-    from fastdeploy.ops import step_packer
     from fastdeploy.worker import input_prep, model_runner, slot_layout, step_output
 
     return [
@@ -68,7 +68,8 @@ def phase_targets() -> list[tuple[object, str, str]]:
         (input_prep, "sampling_metadata", "worker: sampling metadata"),
         (model_runner.Sampler, "__call__", "worker: sampler"),
         (kept_set_gpu, "fill_sampling_mask_dense", "worker: sampler: mask fill (CUDA)"),
-        (sampler, "pack_bits", "worker: sampler: pack bitmaps"),
+        (kept_set_triton, "pack_bits", "worker: sampler: pack bitmaps"),
+        (kept_set_torch, "pack_bits", "worker: sampler: pack bitmaps"),
         (token_processor, "bitmap_rows", "engine: token processor: bitmap rows"),
         (slot_layout, "step_slots", "worker: slot layout"),
         (step_packer.CpuOpPacker, "pack", "worker: pack (C++ op)"),
