@@ -7,7 +7,8 @@ import torch
 from kept_set_reference import reference_kept_set
 from sampler_test_utils import csr_row, make_meta
 
-from fastdeploy.model_executor.layers.sample.sampler import Sampler, process_logits
+from fastdeploy.model_executor.layers.sample.kept_set_torch import TorchKeptSetBackend
+from fastdeploy.model_executor.layers.sample.sampler import Sampler, kept_set_backend, process_logits
 
 TEMPS = [0.0, 0.3, 0.7, 1.0, 1.0, 1.5]
 TOP_KS = [0, 0, 1, 5, 50, 500, 2000]
@@ -158,3 +159,16 @@ def test_empty_batch():
     assert out.sampled_token_ids.shape == (0,)
     assert out.logprobs.shape == (0, 4) and out.logprob_token_ids.shape == (0, 4)
     assert out.mask_offsets.tolist() == [0] and out.mask_ids.numel() == 0 and out.logz.shape == (0,)
+
+
+def test_kept_set_backend_is_chosen_from_the_device():
+    """A sampler given its device holds that device's backend from the start; one given none
+    takes the first call's, and both draw the same tokens and masks."""
+    assert isinstance(kept_set_backend(torch.device("cpu")), TorchKeptSetBackend)
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 3
+    outs = []
+    for sampler in (Sampler("cpu"), Sampler()):
+        torch.manual_seed(0)
+        outs.append(sampler(logits, make_meta(4, top_p=0.9, top_k=[0, 20, 0, 5], return_sampling_mask=True)))
+    assert torch.equal(outs[0].sampled_token_ids, outs[1].sampled_token_ids)
+    assert [csr_row(outs[0], r) for r in range(4)] == [csr_row(outs[1], r) for r in range(4)]

@@ -7,7 +7,7 @@ The kept set of a truncating row is the support the sampler draws from after top
   exact oracle the other backend is held to.
 * `kept_set_triton.TritonKeptSetBackend`: sort-free Triton kernels (CUDA).
 
-The sampler picks one per device (`kept_set_backend`) and uses only the operations below: the
+The sampler picks one per device (`sampler.kept_set_backend`) and uses only the operations below: the
 draw, the processed logits of the kept entries, the rows it could not settle, and the sampling
 mask (CSR ids, bitmaps and logZ).
 """
