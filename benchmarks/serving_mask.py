@@ -39,6 +39,8 @@ import base64
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -199,11 +201,29 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace) -> dict:
+def start_profile(server: Server, path: str) -> subprocess.Popen:
+    """py-spy over the server and its children, without pausing them (--nonblocking), waits included."""
+    cmd = ["py-spy", "record", "--nonblocking", "--idle", "--subprocesses", "--rate", "100", "--format", "raw",
+           "--output", path, "--pid", str(server.proc.pid)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def stop_profile(profiler: subprocess.Popen) -> None:
+    profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    profiler.wait(timeout=60)
+
+
+def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace, profile_path: str | None = None
+            ) -> dict:
     """One timed run of the load against one server, with what it cost each process."""
     cpu_before = process_cpu_s(server)
     client_before = time.process_time()
-    result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens))
+    profiler = start_profile(server, profile_path) if profile_path else None
+    try:
+        result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens))
+    finally:
+        if profiler is not None:
+            stop_profile(profiler)
     client_cpu_s = time.process_time() - client_before
     cpu_after = process_cpu_s(server)
     if result.errors:
@@ -254,6 +274,9 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="extra `fastdeploy serve` arguments, one string")
     parser.add_argument("--vocab-size", type=int, default=49152, help="logits width (counts null rows)")
     parser.add_argument("--name", default="serving_mask")
+    parser.add_argument("--profile-dir", default=None,
+                        help="record py-spy stacks (raw, idle included) of the masked server's processes during "
+                             "each masked run into this directory; needs py-spy on PATH")
     parser.add_argument("--gpu-scale-key", default=None, help="store the flat bitmap ratio in gpu_scale.json")
     args = parser.parse_args()
 
@@ -277,7 +300,11 @@ def main() -> None:
                 # Every other round the other way round, so a machine that speeds up or slows
                 # down over a round does not favour one side.
                 for name, fmt in order if round_index % 2 == 0 else order[::-1]:
-                    run = measure(servers[name], case, fmt, args)
+                    profile_path = None
+                    if args.profile_dir and fmt is not None:
+                        os.makedirs(args.profile_dir, exist_ok=True)
+                        profile_path = os.path.join(args.profile_dir, f"{case}_{fmt}_round{round_index}.txt")
+                    run = measure(servers[name], case, fmt, args, profile_path)
                     run["round"] = round_index
                     runs.append(run)
                     print({k: round(v, 2) if isinstance(v, float) else v for k, v in run.items()}, flush=True)
