@@ -3,8 +3,8 @@
     python benchmarks/host_syncs.py [--batch 8] [--max-tokens 32] [--model M --load-format dummy]
 
 Runs `LLM.chat` on the embedded model (bf16, CUDA graphs) and counts, with PyTorch's sync
-debug mode, the synchronising calls of every worker step (`ModelRunner.launch` and its result)
-(`fastdeploy.worker.sync_count`), plus the packer's copy of the frame, which that mode does not
+debug mode, the synchronising calls of every worker step (`ModelRunner.launch` and `finish`)
+(`tests/gpu/sync_count.py`), plus the packer's copy of the frame, which that mode does not
 see. Reported: per configuration, synchronisations per steady decode step (median, max) and the
 source lines of the ones PyTorch saw. Writes benchmarks/results/host_syncs.json.
 """
@@ -27,7 +27,7 @@ from benchmarks.common import machine_info, print_table, write_json  # noqa: E40
 from fastdeploy import LLM  # noqa: E402
 from fastdeploy.common.guided_spec import GuidedSpec  # noqa: E402
 from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy.worker.sync_count import count_step_syncs, steady_decode  # noqa: E402
+from tests.gpu.sync_count import count_step_syncs, steady_decode  # noqa: E402
 
 NAME = "host_syncs"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

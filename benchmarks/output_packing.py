@@ -8,11 +8,11 @@ Each path is timed end to end, as the engine sees it: worker-side pack (with the
 to the host on CUDA) -> one message over a ZMQ ipc socket -> engine-side unpack to
 per-request Python lists (`split_by_sequence`: token ids, logprobs, top-k ids, ranks).
 
-* packed: `pack_step_slots` (C++ op on CPU; CUDA op: gather on device, frame written
-  to pinned host memory) and `unpack_step_frame_op`.
+* packed: the runner's packer (`choose_packer`: C++ op on CPU; CUDA op: gather on device,
+  frame written to pinned host memory) and the codec's `unpack_step_frame`.
 * packed, staged (CUDA only): the frame built in device memory, its 64-byte header read
   back for the size, then one copy of exactly the frame.
-* reference: the numpy packer and unpacker (`pack_step_slots_reference`).
+* reference: the numpy packer (`ReferencePacker`) and the same unpacker.
 * fixed: what a fixed layout ships: 20 top-k columns for every one of the S slots of
   every sequence, copied whole (one copy per array), every array `.tolist()`-ed and
   cut per request to its accepted slots and k + 1 columns.
@@ -45,13 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
 from fastdeploy.common.step_frame import split_by_sequence, unpack_step_frame
-from fastdeploy.common.step_slots import StepSlots, pack_step_slots_reference
-from fastdeploy.ops.step_packer import (
-    load_ops,
-    pack_step_slots,
-    pack_step_slots_staged,
-    unpack_step_frame_op,
-)
+from fastdeploy.common.step_slots import StepSlots
+from fastdeploy.ops.step_packer import ReferencePacker, StepPacker, choose_packer, load_ops, op_args
 
 SLOTS = 5
 FIXED_TOP_K = 20
@@ -193,9 +188,19 @@ def matmul_floor_ms(batch: int, config_path: str, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def packed_bytes(packer: StepPacker, slots: StepSlots) -> bytes:
+    return bytes(packer.pack(slots).buffer)  # no masks here: the frame is whole when it returns
+
+
+def pack_staged(slots: StepSlots) -> bytes:
+    """CUDA alternative kept for comparison: device buffer, size read back, then one exact copy."""
+    return torch.ops.fastdeploy_ops.pack_step_slots_staged(*op_args(slots)).numpy().tobytes()
+
+
 def run(device: str, reps: int) -> list[dict]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     load_ops(cuda=device == "cuda")
+    packer, reference = choose_packer(torch.device(device)), ReferencePacker()
     socket = Socket()
     rows = []
     try:
@@ -204,15 +209,15 @@ def run(device: str, reps: int) -> list[dict]:
                 packed = make_step(batch, k, top_k=k, device=device)  # the sampler gathers k + 1 columns
                 fixed = make_step(batch, k, top_k=FIXED_TOP_K, device=device)
                 paths = [
-                    ("packed", lambda s=packed: pack_step_slots(s),
-                     lambda b: split_by_sequence(unpack_step_frame_op(b))),
-                    ("reference", lambda s=packed: pack_step_slots_reference(s),
+                    ("packed", lambda s=packed: packed_bytes(packer, s),
+                     lambda b: split_by_sequence(unpack_step_frame(b))),
+                    ("reference", lambda s=packed: packed_bytes(reference, s),
                      lambda b: split_by_sequence(unpack_step_frame(b))),
                     ("fixed", lambda s=fixed: fixed_pack(s), lambda b, B=batch, k=k: fixed_unpack(b, B, k)),
                 ]
                 if device == "cuda":
-                    paths.insert(1, ("packed staged", lambda s=packed: pack_step_slots_staged(s).numpy().tobytes(),
-                                     lambda b: split_by_sequence(unpack_step_frame_op(b))))
+                    paths.insert(1, ("packed staged", lambda s=packed: pack_staged(s),
+                                     lambda b: split_by_sequence(unpack_step_frame(b))))
                 accepted = int(packed.accept_counts.sum())
                 for name, pack, unpack in paths:
                     row = measure(name, pack, unpack, socket, sync, reps)
@@ -238,7 +243,7 @@ def plot(rows: list[dict], path: str) -> None:
         xs = [j + i * width for j in range(len(sel))]
         axes[0].bar(xs, [r["total_ms"] for r in sel], width, label=name)
         axes[1].bar(xs, [r["bytes"] / 1024 for r in sel], width, label=name)
-    for ax, title in zip(axes, ("output path per step (ms)", "frame size (KiB)")):
+    for ax, title in zip(axes, ("output path per step (ms)", "frame size (KiB)"), strict=True):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, fontsize=8)
         ax.set_title(f"{title}, {rows[0]['device']}, S={SLOTS}")
         ax.set_yscale("log")

@@ -1,4 +1,4 @@
-"""The packed step output: one binary frame per worker step (reference codec).
+"""The packed step output: one binary frame per worker step, and its codec.
 
 Layout, little-endian, every array padded to 8 bytes:
 
@@ -15,7 +15,10 @@ Layout, little-endian, every array padded to 8 bytes:
     mask_ids     int32[M]
     logz         float32[N]
 
-The Python functions here define the format; custom ops must match them byte for byte.
+The Python functions here define the format; the packer ops must match them byte for byte.
+`unpack_step_frame` is the one decoder, in the engine and in the worker alike: numpy views
+of the buffer, no copy (measured faster than the C++ unpack op, whose dispatch and tensor
+wrapping cost more than the views it saves).
 """
 
 from __future__ import annotations
@@ -52,6 +55,22 @@ class StepFrame:
     def max_num_logprobs(self) -> int:
         return -1 if self.lp_ids is None else self.lp_ids.shape[1] - 1
 
+    def logprob_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(lp_ids, lp_values, ranks), which a frame holds all of or none of."""
+        if self.lp_ids is None:
+            return None
+        if self.lp_values is None or self.ranks is None:
+            raise ValueError("lp_ids needs lp_values and ranks")
+        return self.lp_ids, self.lp_values, self.ranks
+
+    def mask_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(mask_offsets, mask_ids, logz), which a frame holds all of or none of."""
+        if self.mask_offsets is None:
+            return None
+        if self.mask_ids is None or self.logz is None:
+            raise ValueError("mask_offsets needs mask_ids and logz")
+        return self.mask_offsets, self.mask_ids, self.logz
+
 
 def _padded(array: np.ndarray) -> bytes:
     raw = array.tobytes()
@@ -61,10 +80,11 @@ def _padded(array: np.ndarray) -> bytes:
 def pack_step_frame(frame: StepFrame) -> bytes:
     flag = 0
     k = 0
-    if frame.lp_ids is not None:
+    logprobs, mask = frame.logprob_arrays(), frame.mask_arrays()
+    if logprobs is not None:
         flag |= HAS_LOGPROBS
-        k = frame.lp_ids.shape[1] - 1
-    if frame.mask_offsets is not None:
+        k = logprobs[0].shape[1] - 1
+    if mask is not None:
         flag |= HAS_MASK
     num_mask_ids = 0 if frame.mask_ids is None else len(frame.mask_ids)
     meta = np.zeros(META_LEN, dtype="<i8")
@@ -75,23 +95,19 @@ def pack_step_frame(frame: StepFrame) -> bytes:
         frame.num_tokens.astype("<i4", copy=False),
         frame.token_ids.astype("<i8", copy=False),
     ]
-    if flag & HAS_LOGPROBS:
-        parts += [
-            frame.lp_ids.astype("<i8", copy=False),
-            frame.lp_values.astype("<f4", copy=False),
-            frame.ranks.astype("<i8", copy=False),
-        ]
-    if flag & HAS_MASK:
-        parts += [
-            frame.mask_offsets.astype("<i4", copy=False),
-            frame.mask_ids.astype("<i4", copy=False),
-            frame.logz.astype("<f4", copy=False),
-        ]
+    if logprobs is not None:
+        lp_ids, lp_values, ranks = logprobs
+        parts += [lp_ids.astype("<i8", copy=False), lp_values.astype("<f4", copy=False),
+                  ranks.astype("<i8", copy=False)]
+    if mask is not None:
+        mask_offsets, mask_ids, logz = mask
+        parts += [mask_offsets.astype("<i4", copy=False), mask_ids.astype("<i4", copy=False),
+                  logz.astype("<f4", copy=False)]
     return b"".join(_padded(np.ascontiguousarray(p)) for p in parts)
 
 
 class _Reader:
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: FrameBuffer) -> None:
         self.buf = memoryview(buf)
         self.offset = 0
 
@@ -151,12 +167,13 @@ def split_by_sequence(frame: StepFrame, with_masks: bool = True) -> list[SeqStep
     ranks = frame.ranks.tolist() if frame.ranks is not None else None
     masks: list[SamplingMasks] | None = None
     logz = None
-    if with_masks and frame.mask_offsets is not None:
-        masks = split_runs(frame.mask_offsets, frame.mask_ids, counts)
-        logz = frame.logz.tolist()
+    mask = frame.mask_arrays() if with_masks else None
+    if mask is not None:
+        masks = split_runs(mask[0], mask[1], counts)
+        logz = mask[2].tolist()
     results = []
     start = 0
-    for b, (seq_id, count) in enumerate(zip(seq_ids, counts)):
+    for b, (seq_id, count) in enumerate(zip(seq_ids, counts, strict=True)):
         end = start + count
         results.append(
             SeqStepResult(
@@ -184,13 +201,15 @@ def shorten_step_frame(frame: StepFrame, num_tokens: list[int]) -> StepFrame:
     starts = np.cumsum(old) - old
     rows = np.repeat(starts, new) + np.arange(int(new.sum()), dtype=np.int64) - np.repeat(np.cumsum(new) - new, new)
     out = StepFrame(frame.message_id, frame.seq_ids.copy(), new.astype(np.int32), frame.token_ids[rows])
-    if frame.lp_ids is not None:
-        out.lp_ids, out.lp_values, out.ranks = frame.lp_ids[rows], frame.lp_values[rows], frame.ranks[rows]
-    if frame.mask_offsets is not None:
-        offsets = frame.mask_offsets.astype(np.int64)
+    logprobs, mask = frame.logprob_arrays(), frame.mask_arrays()
+    if logprobs is not None:
+        out.lp_ids, out.lp_values, out.ranks = (a[rows] for a in logprobs)
+    if mask is not None:
+        mask_offsets, mask_ids, logz = mask
+        offsets = mask_offsets.astype(np.int64)
         lengths = offsets[rows + 1] - offsets[rows]
         out.mask_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(out.mask_offsets[:-1], lengths)
-        out.mask_ids = frame.mask_ids[np.repeat(offsets[rows], lengths) + within]
-        out.logz = frame.logz[rows]
+        out.mask_ids = mask_ids[np.repeat(offsets[rows], lengths) + within]
+        out.logz = logz[rows]
     return out

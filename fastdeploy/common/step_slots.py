@@ -1,10 +1,10 @@
-"""A step's results in slot layout (B sequences x S slots) and the reference packer.
+"""A step's results in slot layout (B sequences x S slots) and their gather into a frame.
 
 Speculative decoding verifies S = draft tokens + 1 slots per sequence and accepts
 the first `accept_counts[b]` of them; without speculation S = 1. The worker holds
-the step's results in this fixed layout; `pack_step_slots_reference` gathers the
-accepted slots into the packed frame of `step_frame.py`. It defines what the custom
-ops (`fastdeploy.ops.pack_step_slots`) must produce, byte for byte.
+the step's results in this fixed layout; `gather_step_slots` picks the accepted
+slots out as the `StepFrame` of `step_frame.py`. Packed, that frame defines what the
+custom ops (`fastdeploy.ops.step_packer`) must produce, byte for byte.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
-from fastdeploy.common.step_frame import StepFrame, pack_step_frame
+from fastdeploy.common.step_frame import StepFrame
 
 
 @dataclass
@@ -80,7 +80,7 @@ def gather_step_slots(slots: StepSlots) -> StepFrame:
         frame.lp_ids = _numpy(slots.lp_ids).reshape(lp_shape)[rows, :width]
         frame.lp_values = _numpy(slots.lp_values).reshape(lp_shape)[rows, :width]
         frame.ranks = _numpy(slots.ranks).reshape(batch * num_slots)[rows]
-    if slots.has_mask:
+    if slots.mask_offsets is not None:
         if slots.mask_ids is None or slots.logz is None:
             raise ValueError("mask_offsets needs mask_ids and logz")
         offsets = _numpy(slots.mask_offsets).astype(np.int64)
@@ -93,7 +93,3 @@ def gather_step_slots(slots: StepSlots) -> StepFrame:
         frame.logz = _numpy(slots.logz).reshape(batch * num_slots)[rows]
     return frame
 
-
-def pack_step_slots_reference(slots: StepSlots) -> bytes:
-    """The frame bytes of a step (pure numpy): the format the custom ops are held to."""
-    return pack_step_frame(gather_step_slots(slots))

@@ -14,8 +14,9 @@ import zmq
 from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.common.step_input import StepInput, WorkerEvents
+from fastdeploy.worker.in_flight_step import InFlightStep
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
-from fastdeploy.worker.step_output import LaunchedStep, StepOutput, decode_mask_bits
+from fastdeploy.worker.step_output import StepOutput, decode_mask_bits
 from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
 
 
@@ -36,6 +37,20 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class LocalStep:
+    """A step launched on this process's runner; `result()` finishes it (the step's one wait)."""
+
+    def __init__(self, runner: ModelRunner, launched: InFlightStep) -> None:
+        self._runner = runner
+        self._launched = launched
+        self._output: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._output is None:
+            self._output = self._runner.finish(self._launched)
+        return self._output
+
+
 class InProcessExecutor:
     """Offline use: the model runner lives in the caller's process (tensor-parallel rank 0;
     ranks 1..N-1 run in child processes)."""
@@ -47,8 +62,8 @@ class InProcessExecutor:
         self.info = self.runner.info
         self.runs_beside_engine = self.runner.device.type == "cuda"
 
-    def submit(self, step: StepInput) -> LaunchedStep:
-        return self.runner.launch(step)
+    def submit(self, step: StepInput) -> LocalStep:
+        return LocalStep(self.runner, self.runner.launch(step))
 
     def shutdown(self) -> None:
         self.runner.shutdown()  # with the followers, which leave the group as they stop
@@ -101,7 +116,9 @@ class WorkerProcessExecutor:
 
     def _recv(self, timeout_s: float) -> list[bytes]:
         try:
-            return recv_with_liveness(self.sock, self.process.pid, timeout_s)
+            pid = self.process.pid
+            assert pid is not None  # started in __init__
+            return recv_with_liveness(self.sock, pid, timeout_s)
         except (PeerDiedError, TimeoutError) as exc:
             raise WorkerError(f"worker process lost: {exc}") from exc
 

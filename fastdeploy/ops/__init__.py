@@ -1,5 +1,5 @@
 """Custom ops (C++ / CUDA sources in custom_ops/) and their Python entry points."""
 
-from fastdeploy.ops.step_packer import pack_step_slots, unpack_step_frame_op
+from fastdeploy.ops.step_packer import PackedStep, StepPacker, choose_packer
 
-__all__ = ["pack_step_slots", "unpack_step_frame_op"]
+__all__ = ["PackedStep", "StepPacker", "choose_packer"]

@@ -1,14 +1,21 @@
-"""The packed step output ops (`custom_ops/step_packer*.{cpp,cu}`) and their Python entry points.
+"""The step packer: a step's slot layout -> its packed frame, behind one interface.
 
-`pack_step_slots` turns a step's slot layout into the frame bytes on the device the
-tensors live on (C++ on CPU; on CUDA the gather runs on the device and the frame is
-written straight to pinned host memory). `unpack_step_frame_op` is the engine side:
-frame bytes -> `StepFrame` of zero-copy views. Both are held byte for byte to the
-Python reference (`pack_step_slots_reference`, `unpack_step_frame`).
+`StepPacker.pack(slots) -> PackedStep` has three implementations, one chosen per runner at
+start-up (`choose_packer`):
 
-The extensions are built by `pip install -e .` (the CUDA one only where CUDA was there
-at build time); one that was not built is compiled on first use with
-`torch.utils.cpp_extension.load` (about a minute).
+* `ReferencePacker`: numpy (`gather_step_slots` + `pack_step_frame`); the format's
+  definition, used where the C++ op is not built and by tests as the oracle.
+* `CpuOpPacker`: the C++ op (`custom_ops/step_packer.cpp`).
+* `CudaOpPacker`: the CUDA op (`custom_ops/step_packer_cuda.cu`): the gather runs on the
+  device and the frame is written straight to pinned host memory; a masked frame comes back
+  once its head is on the host, its mask ids following on a copy stream.
+
+All three produce the same bytes. Every frame is read back with the one codec,
+`common.step_frame.unpack_step_frame`, as views of the packed buffer.
+
+The CUDA extension is built by `pip install -e .` where CUDA was there at build time; one
+that was not built is compiled on first use with `torch.utils.cpp_extension.load` (about a
+minute).
 """
 
 from __future__ import annotations
@@ -17,18 +24,24 @@ import functools
 import importlib.util
 import os
 import threading
-import warnings
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from fastdeploy.common.step_frame import HAS_LOGPROBS, HAS_MASK, StepFrame
-from fastdeploy.common.step_slots import StepSlots
+from fastdeploy.common.step_frame import StepFrame, pack_step_frame, unpack_step_frame
+from fastdeploy.common.step_slots import StepSlots, gather_step_slots
 
 CUSTOM_OPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "custom_ops")
 _SOURCES = {"_step_packer_cpu": "step_packer.cpp", "_step_packer_cuda": "step_packer_cuda.cu"}
 _lock = threading.Lock()
+
+
+def _is_built(module: str) -> bool:
+    spec = importlib.util.find_spec(f"fastdeploy.ops.{module}")
+    return spec is not None and bool(spec.origin)
 
 
 @functools.cache
@@ -55,30 +68,61 @@ def load_ops(cuda: bool = False) -> None:
             _load("_step_packer_cuda")
 
 
-def _op_args(slots: StepSlots) -> tuple:
+def op_args(slots: StepSlots) -> tuple:
+    """The slots as the packer ops' positional arguments."""
     lp = (slots.lp_ids, slots.lp_values, slots.ranks) if slots.has_logprobs else (None, None, None)
     mask = (slots.mask_offsets, slots.mask_ids, slots.logz) if slots.has_mask else (None, None, None)
     return (slots.message_id, slots.seq_ids, slots.accept_counts, slots.token_ids, slots.num_logprobs, *lp, *mask)
 
 
-def pack_step_slots_tensor(slots: StepSlots) -> torch.Tensor:
-    """The frame as a uint8 CPU tensor (pinned when the slots are on CUDA)."""
-    load_ops(cuda=slots.token_ids.is_cuda)
-    return torch.ops.fastdeploy_ops.pack_step_slots(*_op_args(slots))
+class Completion(Protocol):
+    """Something that can be waited for: a `torch.cuda.Event` recorded after the last write,
+    or the ids' copy that starts when first waited for (`DeferredIdsCopy`)."""
+
+    def synchronize(self) -> None: ...
 
 
-def pack_step_slots(slots: StepSlots) -> bytes:
-    """The frame bytes of a step; runs on the device of `slots.token_ids`."""
-    return pack_step_slots_tensor(slots).numpy().tobytes()
+@dataclass
+class PackedStep:
+    """A step's packed frame on the host and its unpacked views."""
+
+    buffer: memoryview  # the frame bytes (on CUDA a view of the pinned buffer the op wrote)
+    frame: StepFrame  # numpy views into `buffer`
+    # The frame's mask ids are still on their way to the host until this completes; None: all there.
+    mask_ids_pending: Completion | None = None
+    # uint8 [B, S, ceil(V/8)] on the host: `slots.mask_bits`, which travel beside the frame.
+    mask_bits: np.ndarray | None = None
 
 
-def pack_step_slots_split(slots: StepSlots) -> torch.Tensor:
-    """CUDA: the frame as a pinned uint8 tensor, returned once all of it but the mask ids is on
-    the host; the mask ids are still being written by a kernel on the current stream. Record
-    an event on that stream right after the call and wait on it before reading them (the
-    pinned pool does not reuse the buffer before the kernel is done, even if it is dropped)."""
-    load_ops(cuda=True)
-    return torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots))
+class StepPacker(Protocol):
+    def pack(self, slots: StepSlots) -> PackedStep:
+        """The step's frame; on CUDA the step's one wait for the device."""
+
+
+def _tensor_step(packed: torch.Tensor, mask_bits: np.ndarray | None,
+                 pending: Completion | None = None) -> PackedStep:
+    buffer = packed.numpy().data  # the array keeps the tensor, and so its memory, alive
+    return PackedStep(buffer, unpack_step_frame(buffer), pending, mask_bits)
+
+
+class ReferencePacker:
+    """numpy: the definition of the frame the ops are held to, byte for byte."""
+
+    def pack(self, slots: StepSlots) -> PackedStep:
+        buffer = memoryview(pack_step_frame(gather_step_slots(slots)))
+        bits = None if slots.mask_bits is None else slots.mask_bits.detach().cpu().numpy()
+        return PackedStep(buffer, unpack_step_frame(buffer), None, bits)
+
+
+class CpuOpPacker:
+    """The C++ op, for slots in host memory."""
+
+    def __init__(self) -> None:
+        load_ops()
+
+    def pack(self, slots: StepSlots) -> PackedStep:
+        bits = None if slots.mask_bits is None else slots.mask_bits.numpy()
+        return _tensor_step(torch.ops.fastdeploy_ops.pack_step_slots(*op_args(slots)), bits)
 
 
 class DeferredIdsCopy:
@@ -96,13 +140,13 @@ class DeferredIdsCopy:
                  copy_stream: torch.cuda.Stream) -> None:
         self._frame_bytes = frame_bytes
         self._frame_ids = frame_ids  # the frame's (not yet written) view of the ids
-        self._device_ids = device_ids
+        self._device_ids: torch.Tensor | None = device_ids
         self._stream = copy_stream
         self._done: torch.cuda.Event | None = None
 
     def start(self) -> None:
         """Queue the copy (once)."""
-        if self._done is not None:
+        if self._done is not None or self._device_ids is None:
             return
         num_ids = len(self._frame_ids)
         offset = self._frame_ids.__array_interface__["data"][0] - self._frame_bytes.data_ptr()
@@ -120,55 +164,61 @@ class DeferredIdsCopy:
     def synchronize(self) -> None:
         """Returns once the ids are in the frame."""
         self.start()
+        assert self._done is not None
         self._done.synchronize()
 
 
-def pack_step_slots_copying_ids(slots: StepSlots, copy_stream: torch.cuda.Stream
-                                ) -> tuple[torch.Tensor, StepFrame, DeferredIdsCopy]:
-    """CUDA, for slots of one accepted slot per sequence over a CSR that starts at 0 (a
-    sampler's own): the frame's mask ids are then `mask_ids[:M]` exactly as they lie.
+class CudaOpPacker:
+    """The CUDA op, for slots in device memory. Which variant runs is decided per step:
 
-    Returns the pinned frame, its unpacked views and the ids' pending copy (a plain
-    device-to-host copy on `copy_stream`, a copy engine, so no kernel of a later step queues
-    behind it), once the head is on the host. Synchronize the copy before reading the ids.
+    * no mask: the whole frame in one op (the step's one synchronisation);
+    * mask, one slot per sequence (no drafts): the head comes back first and the mask ids, most
+      of a masked frame's bytes, cross PCIe later on `copy_stream`, a copy engine, beside the
+      next step's kernels (`DeferredIdsCopy`);
+    * mask with drafts: a kernel gathers the accepted slots' ids behind the head (the split op).
     """
-    load_ops(cuda=True)
-    packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*_op_args(slots), False)
-    frame = unpack_step_frame_op(packed)
-    if slots.token_ids.shape[1] != 1 or len(frame.token_ids) != slots.token_ids.shape[0]:
-        raise ValueError("the ids lie in frame order only when every sequence has one accepted slot")
-    return packed, frame, DeferredIdsCopy(packed, frame.mask_ids, slots.mask_ids, copy_stream)
+
+    def __init__(self, copy_stream: torch.cuda.Stream) -> None:
+        load_ops(cuda=True)
+        self._copy_stream = copy_stream
+
+    def pack(self, slots: StepSlots) -> PackedStep:
+        bits = _bitmaps_to_host(slots.mask_bits) if slots.mask_bits is not None else None
+        if slots.has_mask and slots.token_ids.shape[1] == 1:
+            return self._pack_copying_ids(slots, bits)
+        if slots.has_mask:
+            packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*op_args(slots))
+            written = torch.cuda.Event()
+            written.record()  # the ids' kernel was queued on this stream by the op
+            return _tensor_step(packed, bits, written)
+        return _tensor_step(torch.ops.fastdeploy_ops.pack_step_slots(*op_args(slots)), bits)
+
+    def _pack_copying_ids(self, slots: StepSlots, bits: np.ndarray | None) -> PackedStep:
+        """For slots of one accepted slot per sequence over a CSR that starts at 0 (a sampler's
+        own): the frame's mask ids are then `mask_ids[:M]` exactly as they lie."""
+        packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*op_args(slots), False)
+        step = _tensor_step(packed, bits)
+        if len(step.frame.token_ids) != slots.token_ids.shape[0]:
+            raise ValueError("the ids lie in frame order only when every sequence has one accepted slot")
+        assert step.frame.mask_ids is not None and slots.mask_ids is not None
+        step.mask_ids_pending = DeferredIdsCopy(packed, step.frame.mask_ids, slots.mask_ids, self._copy_stream)
+        return step
 
 
-def pack_step_slots_staged(slots: StepSlots) -> torch.Tensor:
-    """CUDA alternative kept for comparison: device buffer, size read back, then one exact copy."""
-    load_ops(cuda=True)
-    return torch.ops.fastdeploy_ops.pack_step_slots_staged(*_op_args(slots))
+def _bitmaps_to_host(bits: torch.Tensor) -> np.ndarray:
+    """The step's bitmaps on the host. The copy is queued into pinned memory ahead of the
+    frame's head, so the head's one wait covers it: a blocking copy after the head would be a
+    second synchronisation in the step."""
+    host = torch.empty(bits.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(bits, non_blocking=True)
+    return host.numpy()
 
 
-def _as_uint8(buf: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
-    if isinstance(buf, torch.Tensor):
-        return buf
-    view = memoryview(buf)
-    if view.nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    if not view.readonly:
-        return torch.frombuffer(view, dtype=torch.uint8)
-    # Frames arrive as immutable bytes; the unpacker only makes read views of them.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8)
-
-
-def unpack_step_frame_op(buf: bytes | bytearray | memoryview | torch.Tensor) -> StepFrame:
-    """Frame bytes -> StepFrame whose arrays are numpy views into `buf` (no copy)."""
-    load_ops()
-    arrays = [t.numpy() for t in torch.ops.fastdeploy_ops.unpack_step_frame(_as_uint8(buf))]
-    meta, rest = arrays[0], iter(arrays[4:])
-    flag = int(meta[1]) & 0xFF
-    frame = StepFrame(message_id=int(meta[0]), seq_ids=arrays[1], num_tokens=arrays[2], token_ids=arrays[3])
-    if flag & HAS_LOGPROBS:
-        frame.lp_ids, frame.lp_values, frame.ranks = next(rest), next(rest), next(rest)
-    if flag & HAS_MASK:
-        frame.mask_offsets, frame.mask_ids, frame.logz = next(rest), next(rest), next(rest)
-    return frame
+def choose_packer(device: torch.device) -> StepPacker:
+    """The packer for slots on `device`: the CUDA op there; on the host the C++ op where it is
+    built, else the numpy reference (same bytes, no compiler needed)."""
+    if device.type == "cuda":
+        return CudaOpPacker(torch.cuda.Stream(device))
+    if _is_built("_step_packer_cpu"):
+        return CpuOpPacker()
+    return ReferencePacker()

@@ -154,7 +154,7 @@ class GuidedRuntime:
         decoding); returns how many of each run stand: a run ends at the token that completes its
         grammar, or before a token the grammar rejects."""
         counts = []
-        for seq_id, run in zip(seq_ids, runs):
+        for seq_id, run in zip(seq_ids, runs, strict=True):
             state = self.states.get(seq_id)
             n = len(run)
             if state is not None:
@@ -169,7 +169,8 @@ class GuidedRuntime:
         """Feed `run` to the grammar; how many of its tokens stand."""
         for n, token in enumerate(run):
             if not state.accept(token):
-                if masked and not bool(fill_bitmasks([state], self.vocab_size).any()):
+                allowed = fill_bitmasks([state], self.vocab_size)  # a constrained row: never None
+                if masked and allowed is not None and not bool(allowed.any()):
                     # The constraint allows no token here: it needs text the vocabulary cannot
                     # spell (a character no token starts with). The request's fault, not ours.
                     events.grammar_failed.append([seq_id, "no token of the model's vocabulary can continue the "

@@ -1,23 +1,15 @@
 """What a step hands back to the engine: its packed frame, its events, and whether the frame's
-mask ids are still on their way to the host; and a step launched whose output is still to come."""
+mask ids are still on their way to the host."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from fastdeploy.common.step_frame import FrameBuffer
 from fastdeploy.common.step_input import WorkerEvents
-
-
-class Completion(Protocol):
-    """Something that can be waited for: a `torch.cuda.Event` recorded after the last write,
-    or the ids' copy that starts when first waited for (`step_packer.DeferredIdsCopy`)."""
-
-    def synchronize(self) -> None: ...
+from fastdeploy.ops.step_packer import Completion
 
 
 @dataclass
@@ -38,33 +30,6 @@ class StepOutput:
         if self.mask_ids_pending is not None:
             self.mask_ids_pending.synchronize()
             self.mask_ids_pending = None
-
-
-class LaunchedStep:
-    """A step whose device work is queued (`ModelRunner.launch`); `result()` waits for it.
-
-    The runner's step is a generator that pauses once, after the last kernel launch before the
-    frame's copy to the host; the rest (the one wait, the frame, the grammar and draft
-    bookkeeping) runs in `result()`.
-    """
-
-    def __init__(self, stages: Generator[None, None, StepOutput]) -> None:
-        self._stages = stages
-        self._output: StepOutput | None = None
-        try:
-            next(stages)
-        except StopIteration as done:  # nothing to sample: the step is already done
-            self._output = done.value
-
-    def result(self) -> StepOutput:
-        if self._output is None:
-            try:
-                next(self._stages)
-            except StopIteration as done:
-                self._output = done.value
-            else:
-                raise RuntimeError("a runner step pauses once, after its launch")
-        return self._output
 
 
 def encode_mask_bits(bits: np.ndarray | None) -> bytes | memoryview:

@@ -41,7 +41,7 @@ def spawn_followers(config: EngineConfig, directory: str) -> list[multiprocessin
     """Start tensor-parallel ranks 1..N-1 as children of the caller (rank 0 is the caller itself, or
     its worker process: a daemonic worker may not have children of its own)."""
     spawn = multiprocessing.get_context("spawn")
-    followers = []
+    followers: list[multiprocessing.process.BaseProcess] = []
     for rank in range(1, config.tensor_parallel_size):
         process = spawn.Process(target=run_follower, args=(config, directory, rank, os.getpid()), daemon=True,
                                 name=f"fastdeploy-worker-tp{rank}")

@@ -20,9 +20,9 @@ from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.common.step_frame import unpack_step_frame
 from fastdeploy.common.step_input import StepInput
 from fastdeploy.engine.engine_core import EngineCore
-from fastdeploy.engine.executor import InProcessExecutor
+from fastdeploy.engine.executor import InProcessExecutor, LocalStep
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
-from fastdeploy.worker.step_output import LaunchedStep, StepOutput
+from fastdeploy.worker.step_output import StepOutput
 from tests.bitmaps import bitmap_lists
 from tests.random_qwen2 import save_random_qwen2
 
@@ -98,7 +98,7 @@ class BesideEngineExecutor(InProcessExecutor):
         self.runs_beside_engine = True
         self.log = log
 
-    def submit(self, step: StepInput) -> LaunchedStep:
+    def submit(self, step: StepInput) -> LocalStep:
         self.log.append(("submit", step.message_id))
         return super().submit(step)
 
@@ -158,7 +158,7 @@ def _assert_masks_hold_their_tokens(out: dict) -> None:
     for i, (_, _, wants_mask) in enumerate(MIXES):
         tokens, masks, logz, _ = out[f"r{i}"]
         assert len(masks) == (len(tokens) if wants_mask else 0)
-        for token, row, z in zip(tokens, masks, logz):
+        for token, row, z in zip(tokens, masks, logz, strict=False):  # masks are [] when not asked for
             assert row is not None and token in row and row == sorted(set(row)) and z <= 1e-6
 
 

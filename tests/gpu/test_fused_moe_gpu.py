@@ -191,7 +191,7 @@ def test_model_on_cuda_matches_cpu(model_dir) -> None:
 
 def test_moe_decode_step_synchronises_once(model_dir) -> None:
     """bf16 with CUDA graphs: the MoE layers add no host sync to a decode step (the frame's copy is the one)."""
-    from fastdeploy.worker.sync_count import count_step_syncs, steady_decode
+    from tests.gpu.sync_count import count_step_syncs, steady_decode
 
     llm = LLM(model_dir[0], tokenizer=model_dir[1], device="cuda", guided_decoding_backend="off", max_num_seqs=8,
               num_kv_blocks=256)  # fmt: skip

@@ -1,9 +1,9 @@
 """Host-device synchronisations per decode step on CUDA: the packed frame's copy and nothing else.
 
 The embedded model on CUDA (bf16, CUDA graphs), 8 chat prompts x 24 tokens, counted with
-PyTorch's sync debug mode around every `ModelRunner.execute` (`fastdeploy.worker.sync_count`).
-Prefill steps may synchronise more (their row gathers are built on the host but the first step
-also loads the packer op); steady decode steps must not.
+PyTorch's sync debug mode around every `ModelRunner.execute` (`tests/gpu/sync_count.py`).
+Prefill steps may synchronise more (their row gathers are built on the host); steady decode
+steps must not.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from fastdeploy import LLM
 from fastdeploy.common.sampling_params import SamplingParams
-from fastdeploy.worker.sync_count import count_step_syncs, steady_decode
+from tests.gpu.sync_count import count_step_syncs, steady_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

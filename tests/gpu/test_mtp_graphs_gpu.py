@@ -15,6 +15,7 @@ import torch
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.model_executor.device_inputs import upload_int64
+from fastdeploy.worker.input_prep import prepare_inputs
 from tools.mtp_prompts import as_chat, held_out_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -73,7 +74,8 @@ def test_captured_mtp_pass_equals_eager_pass():
         # Each sequence catches up 3 pairs at positions 20..22 as decode rows, on its own two blocks.
         chunks = [ChunkInput(s, torch.randint(0, vocab, (3,), generator=gen).tolist(), 20, [2 * s + 1, 2 * s + 2],
                              True) for s in range(num_seqs)]
-        input_ids, positions, meta, _ = runner._prepare_inputs(chunks, {s: [] for s in range(num_seqs)})
+        drafts: dict[int, list[int]] = {s: [] for s in range(num_seqs)}
+        input_ids, positions, meta, _ = prepare_inputs(chunks, drafts, runner.block_size, runner.device)
         assert mtp_pass.buffers.fits(input_ids.shape[0], meta)
         prev = torch.randn(input_ids.shape[0], hidden_size, generator=gen).to(runner.device, runner.dtype)
         (draft_rows,) = upload_int64([[3 * s + 2 for s in range(num_seqs)]], runner.device)

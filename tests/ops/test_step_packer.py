@@ -1,8 +1,9 @@
-"""The packed step output ops against the Python reference, byte for byte.
+"""The step packers against the Python reference, byte for byte.
 
-`pack_step_slots_reference` (numpy) defines the frame; the C++ op and the CUDA op
-(`gpu` tests, both the mapped-memory default and the staged variant) must produce
-the same bytes, and the unpacker op the same arrays as `unpack_step_frame`.
+`ReferencePacker` (numpy) defines the frame; `CpuOpPacker` (the C++ op) and `CudaOpPacker`
+(`gpu` tests: each of its variants, and the ops behind them, the staged one included) must
+produce the same bytes. The codec `unpack_step_frame` reads them; the C++ unpack op is kept
+here as its oracle.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from fastdeploy.common.step_frame import StepFrame, split_by_sequence, unpack_step_frame
-from fastdeploy.common.step_slots import StepSlots, gather_step_slots, pack_step_slots_reference
+from fastdeploy.common.step_frame import HAS_LOGPROBS, HAS_MASK, StepFrame, split_by_sequence, unpack_step_frame
+from fastdeploy.common.step_slots import StepSlots, gather_step_slots
 from fastdeploy.ops.step_packer import (
-    pack_step_slots,
-    pack_step_slots_copying_ids,
-    pack_step_slots_split,
-    pack_step_slots_staged,
-    pack_step_slots_tensor,
-    unpack_step_frame_op,
+    CpuOpPacker,
+    CudaOpPacker,
+    DeferredIdsCopy,
+    PackedStep,
+    ReferencePacker,
+    choose_packer,
+    load_ops,
+    op_args,
 )
 
 VOCAB = 49152
@@ -61,6 +64,43 @@ def to_device(slots: StepSlots, device: str) -> StepSlots:
     return StepSlots(**{name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in moved.items()})
 
 
+def pack_step_slots_reference(slots: StepSlots) -> bytes:
+    return bytes(ReferencePacker().pack(slots).buffer)
+
+
+def pack_step_slots_tensor(slots: StepSlots) -> torch.Tensor:
+    """The plain op (the whole frame at once) on the slots' device."""
+    load_ops(cuda=slots.token_ids.is_cuda)
+    return torch.ops.fastdeploy_ops.pack_step_slots(*op_args(slots))
+
+
+def pack_step_slots(slots: StepSlots) -> bytes:
+    return pack_step_slots_tensor(slots).numpy().tobytes()
+
+
+def unpack_step_frame_op(buf: bytes | torch.Tensor) -> StepFrame:
+    """The C++ unpack op: the oracle `unpack_step_frame` is checked against."""
+    load_ops()
+    if not isinstance(buf, torch.Tensor):
+        buf = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    arrays = [t.numpy() for t in torch.ops.fastdeploy_ops.unpack_step_frame(buf)]
+    meta, rest = arrays[0], iter(arrays[4:])
+    flag = int(meta[1]) & 0xFF
+    frame = StepFrame(message_id=int(meta[0]), seq_ids=arrays[1], num_tokens=arrays[2], token_ids=arrays[3])
+    if flag & HAS_LOGPROBS:
+        frame.lp_ids, frame.lp_values, frame.ranks = next(rest), next(rest), next(rest)
+    if flag & HAS_MASK:
+        frame.mask_offsets, frame.mask_ids, frame.logz = next(rest), next(rest), next(rest)
+    return frame
+
+
+def landed_bytes(packed: PackedStep) -> bytes:
+    """A packed step's frame bytes once its mask ids, if still on their way, have landed."""
+    if packed.mask_ids_pending is not None:
+        packed.mask_ids_pending.synchronize()
+    return bytes(packed.buffer)
+
+
 def assert_frames_equal(got: StepFrame, want: StepFrame) -> None:
     assert got.message_id == want.message_id
     for name in FIELDS:
@@ -84,8 +124,10 @@ def test_cpu_op_matches_reference(batch, slots, k, top_k, mask):
     seed = batch * 1000 + slots * 100 + k + 3 * (top_k or 0) + mask
     step = make_slots(seed, batch, slots, k, top_k, mask)
     want = pack_step_slots_reference(step)
-    got = pack_step_slots(step)
+    packed = CpuOpPacker().pack(step)
+    got = bytes(packed.buffer)
     assert got == want
+    assert_frames_equal(packed.frame, unpack_step_frame(want))
     assert_frames_equal(unpack_step_frame_op(got), unpack_step_frame(want))
     # Round trip: what comes out is exactly the accepted slots, in sequence order.
     assert_frames_equal(unpack_step_frame_op(got), gather_step_slots(step))
@@ -95,7 +137,7 @@ def test_cpu_op_matches_reference(batch, slots, k, top_k, mask):
 def test_gathered_rows_are_the_accepted_slots():
     step = make_slots(7, batch=3, slots=5, k=2, top_k=4, mask=True)
     step.accept_counts = torch.tensor([2, 0, 5], dtype=torch.int32)
-    frame = unpack_step_frame_op(pack_step_slots(step))
+    frame = CpuOpPacker().pack(step).frame
     rows = [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
     assert frame.num_tokens.tolist() == [2, 0, 5]
     assert frame.token_ids.tolist() == [int(step.token_ids[b, s]) for b, s in rows]
@@ -139,18 +181,32 @@ def test_invalid_slots_are_rejected(change, message):
         pack_step_slots(step)
 
 
-def test_truncated_frame_is_rejected():
+@pytest.mark.parametrize("unpack", [unpack_step_frame, unpack_step_frame_op])
+def test_truncated_frame_is_rejected(unpack):
     buf = pack_step_slots(make_slots(19, batch=4, slots=5, k=3, top_k=3, mask=True))
     with pytest.raises(ValueError, match="truncated"):
-        unpack_step_frame_op(buf[: len(buf) - 16])
+        unpack(buf[: len(buf) - 16])
     with pytest.raises(ValueError, match="truncated"):
-        unpack_step_frame_op(buf[:40])
+        unpack(buf[:40])
 
 
-def test_unpacked_arrays_are_views_of_the_frame():
-    buf = pack_step_slots_tensor(make_slots(23, batch=4, slots=5, k=2, top_k=2, mask=False))
-    frame = unpack_step_frame_op(buf)
-    assert np.shares_memory(frame.token_ids, buf.numpy())
+@pytest.mark.parametrize("packer", [ReferencePacker(), CpuOpPacker()], ids=["reference", "cpu op"])
+def test_unpacked_arrays_are_views_of_the_frame(packer):
+    packed = packer.pack(make_slots(23, batch=4, slots=5, k=2, top_k=2, mask=False))
+    assert np.shares_memory(packed.frame.token_ids, np.frombuffer(packed.buffer, dtype=np.uint8))
+
+
+def test_bitmaps_travel_beside_the_frame():
+    step = make_slots(29, batch=3, slots=2, k=-1, top_k=None, mask=True)
+    step.mask_bits = torch.randint(0, 256, (3, 2, 7), dtype=torch.uint8)
+    for packer in (ReferencePacker(), CpuOpPacker()):
+        packed = packer.pack(step)
+        np.testing.assert_array_equal(packed.mask_bits, step.mask_bits.numpy())
+        assert bytes(packed.buffer) == pack_step_slots_reference(step)
+
+
+def test_host_packer_is_the_built_op():
+    assert isinstance(choose_packer(torch.device("cpu")), CpuOpPacker)
 
 
 @pytest.mark.gpu
@@ -164,13 +220,14 @@ def test_cuda_ops_match_reference(batch, slots, k, top_k, mask):
     mapped = pack_step_slots_tensor(on_gpu)
     assert mapped.is_pinned()
     assert mapped.numpy().tobytes() == want
-    assert pack_step_slots_staged(on_gpu).numpy().tobytes() == want
+    assert torch.ops.fastdeploy_ops.pack_step_slots_staged(*op_args(on_gpu)).numpy().tobytes() == want
     assert _split_frame(on_gpu) == want
+    assert landed_bytes(CudaOpPacker(torch.cuda.Stream()).pack(on_gpu)) == want
 
 
 def _split_frame(slots: StepSlots) -> bytes:
     """The split op's frame, read once the mask ids it leaves in flight have landed."""
-    frame = pack_step_slots_split(slots)
+    frame = torch.ops.fastdeploy_ops.pack_step_slots_split(*op_args(slots))
     landed = torch.cuda.Event()
     landed.record()
     landed.synchronize()
@@ -251,11 +308,10 @@ def _one_accepted_slot(seed: int, batch: int, k: int, top_k: int | None, max_mas
 def test_cuda_ids_copied_on_a_copy_stream_match_reference(batch, k, top_k, max_mask_row):
     step = _one_accepted_slot(batch + max_mask_row, batch, k, top_k, max_mask_row)
     want = pack_step_slots_reference(step)
-    stream = torch.cuda.Stream()
-    frame_bytes, frame, done = pack_step_slots_copying_ids(to_device(step, "cuda"), stream)
-    done.synchronize()
-    assert frame_bytes.is_pinned() and frame_bytes.numpy().tobytes() == want
-    assert np.shares_memory(frame.mask_ids, frame_bytes.numpy())
+    packed = CudaOpPacker(torch.cuda.Stream()).pack(to_device(step, "cuda"))
+    assert isinstance(packed.mask_ids_pending, DeferredIdsCopy)
+    assert landed_bytes(packed) == want
+    assert np.shares_memory(packed.frame.mask_ids, np.frombuffer(packed.buffer, dtype=np.uint8))
     # The split op over the same over-sized buffer: the tail never reaches the frame.
     assert _split_frame(to_device(step, "cuda")) == want
 
@@ -263,10 +319,12 @@ def test_cuda_ids_copied_on_a_copy_stream_match_reference(batch, k, top_k, max_m
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_copying_ids_needs_one_accepted_slot_per_sequence():
+    # Drafted slots go to the split op instead, whose frame is whole once its event is reached.
     step = make_slots(47, batch=4, slots=3, k=-1, top_k=None, mask=True)
-    with pytest.raises(ValueError, match="one accepted slot"):
-        pack_step_slots_copying_ids(to_device(step, "cuda"), torch.cuda.Stream())
+    packed = CudaOpPacker(torch.cuda.Stream()).pack(to_device(step, "cuda"))
+    assert isinstance(packed.mask_ids_pending, torch.cuda.Event)
+    assert landed_bytes(packed) == pack_step_slots_reference(step)
     step = _one_accepted_slot(48, 4, -1, None, 40)
     step.accept_counts[2] = 0
     with pytest.raises(ValueError, match="one accepted slot"):
-        pack_step_slots_copying_ids(to_device(step, "cuda"), torch.cuda.Stream())
+        CudaOpPacker(torch.cuda.Stream()).pack(to_device(step, "cuda"))

@@ -18,8 +18,9 @@ from typing import TypeVar
 import torch
 
 from fastdeploy.common.step_input import StepInput
+from fastdeploy.worker.in_flight_step import InFlightStep
 from fastdeploy.worker.model_runner import ModelRunner
-from fastdeploy.worker.step_output import LaunchedStep
+from fastdeploy.worker.step_output import StepOutput
 
 T = TypeVar("T")
 
@@ -55,27 +56,33 @@ def _watched(call: Callable[[], T], sources: list[str]) -> T:
 @contextmanager
 def count_step_syncs(runner: ModelRunner) -> Iterator[list[StepSyncs]]:
     """Record a StepSyncs for every step `runner` launches inside the block (CUDA only): its
-    launch and its result together, not what the caller does in between."""
+    launch and its finish together, not what the caller does in between."""
     steps: list[StepSyncs] = []
-    launch = runner.launch
+    records: dict[int, StepSyncs] = {}  # id(handle) -> its step's record
+    launch, finish = runner.launch, runner.finish
 
-    def counted(step: StepInput) -> LaunchedStep:
+    def counted_launch(step: StepInput) -> InFlightStep:
         sampled = [c for c in step.chunks if c.sample]
         record = StepSyncs(
             batch=len(sampled),
             decode=bool(step.chunks) and all(c.sample and len(c.token_ids) == 1 for c in step.chunks),
         )
         steps.append(record)
-        launched = _watched(lambda: launch(step), record.sources)
-        result = launched.result
-        launched.result = lambda: _watched(result, record.sources)  # an instance attribute, as below
-        return launched
+        handle = _watched(lambda: launch(step), record.sources)
+        records[id(handle)] = record
+        return handle
 
-    runner.launch = counted  # an instance attribute: the executor looks the method up per call
+    def counted_finish(handle: InFlightStep) -> StepOutput:
+        record = records.pop(id(handle))
+        return _watched(lambda: finish(handle), record.sources)
+
+    # Instance attributes: the executor and `execute` look the methods up per call.
+    runner.launch = counted_launch  # type: ignore[method-assign]
+    runner.finish = counted_finish  # type: ignore[method-assign]
     try:
         yield steps
     finally:
-        del runner.launch
+        del runner.launch, runner.finish
 
 
 def steady_decode(steps: list[StepSyncs], warmup: int = 2) -> list[StepSyncs]:

@@ -1,0 +1,79 @@
+"""The MTP speculative step: after each step the MTP module takes in the step's new (hidden j-1,
+token j) pairs and drafts the next step's tokens, which reach the host when that step asks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fastdeploy.common.config import EngineConfig, ModelConfig
+from fastdeploy.common.step_input import ChunkInput
+from fastdeploy.model_executor.cuda_graph import DecodeBuffers
+from fastdeploy.model_executor.layers.attention import allocate_kv_caches
+from fastdeploy.model_executor.models.llama import LlamaForCausalLM
+from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
+from fastdeploy.spec_decode.mtp_pass import MTPPass
+from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
+from fastdeploy.worker.graph_capture import DecodeShape
+from fastdeploy.worker.input_prep import prepare_inputs
+from fastdeploy.worker.sequence_state import WorkerSequence
+
+
+class MTPStep:
+    """The MTP head, its one-layer KV cache and (on CUDA) its captured passes, and the last
+    step's drafts still on their way to the host."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig,
+                 dtype: torch.dtype, device: torch.device, num_blocks: int, shape: DecodeShape,
+                 use_graphs: bool) -> None:
+        spec = config.speculative
+        assert spec is not None and spec.method == "mtp"
+        self.block_size = shape.block_size
+        head = load_mtp_head(spec.model or shipped_mtp_head(config.model), model_config, dtype, device)
+        one_layer = dataclasses.replace(model_config, num_hidden_layers=1)
+        mtp_cache = allocate_kv_caches(one_layer, num_blocks + 1, self.block_size, dtype, device)[0]
+        buffers = DecodeBuffers(shape.max_decode_rows, shape.max_blocks_per_seq, self.block_size, shape.pad_slot,
+                                device) if use_graphs else None
+        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers)
+        self.mtp_pass.capture()
+        self.proposer = MTPProposer(self.mtp_pass, spec.num_speculative_tokens, self.block_size,
+                                    functools.partial(prepare_inputs, block_size=self.block_size, device=device))
+        # The last step's drafts, still on their way to the host, and the sequences they are for.
+        self._pending: tuple[PendingDrafts, list[int]] | None = None
+
+    def feed(self, chunks: list[ChunkInput], hidden: torch.Tensor, accepted: dict[int, int],
+             drafts: dict[int, list[int]], sequences: dict[int, WorkerSequence]) -> None:
+        """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts for the next step."""
+        work = []
+        offset = 0  # flat index of the chunk's first token in `hidden`
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            start = chunk.start
+            # Positions start .. start+valid-1 hold hidden states of tokens that stand.
+            valid = n - len(drafts.get(chunk.seq_id, ())) - 1 + accepted.get(chunk.seq_id, 0) if chunk.sample else n
+            if valid > 0:
+                state = sequences[chunk.seq_id]
+                first = 0 if start == 0 else start + 1
+                newest = start + valid
+                last = min(newest, len(chunk.block_ids) * self.block_size - 1)  # only reserved slots
+                work.append(MTPWork(
+                    chunk.seq_id, first, state.token_range(first, last + 1),
+                    [-1 if j == 0 else offset + j - 1 - start for j in range(first, last + 1)],
+                    chunk.block_ids, chunk.sample and last == newest))
+            offset += n
+        # Read back when the next step needs them: meanwhile the GPU runs the passes.
+        self._pending = (self.proposer.propose(work, hidden), [c.seq_id for c in chunks if c.sample])
+
+    def take_drafts(self, sequences: dict[int, WorkerSequence]) -> None:
+        """Hand the last step's drafts to their sequences (one wait, one copy already made)."""
+        if self._pending is None:
+            return
+        pending, seq_ids = self._pending
+        self._pending = None
+        drafts = pending.resolve()
+        for seq_id in seq_ids:
+            state = sequences.get(seq_id)
+            if state is not None:  # not freed since
+                state.pending_drafts = drafts.get(seq_id, [])

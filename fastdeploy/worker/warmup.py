@@ -1,0 +1,38 @@
+"""Sampling made-up rows once before serving, so the first requests' steps compile nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.model_executor.layers.sample.sampler import Sampler
+from fastdeploy.worker.input_prep import sampling_metadata
+from fastdeploy.worker.sequence_state import WorkerSequence
+
+
+def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device, with_masks: bool,
+                    logprobs_mode: str) -> None:
+    """Samples a few made-up rows of every kind once before serving: greedy, truncating
+    (peaked and flat logits), plain, with logprobs; with and without sampling masks where
+    they are on, and a step of greedy rows alone.
+
+    On CUDA the sampler's Triton kernels compile here instead of inside the first
+    requests' steps, and what compiling leaves on the heap is among the start-up objects the
+    process then freezes out of the garbage collector's walks (`startup_heap`). Every row has
+    a seeded generator of its own: the global random state is left as it was."""
+    v = vocab_size
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.95, logprobs=1),
+              SamplingParams(top_p=0.95), SamplingParams(top_k=50, top_p=0.9), SamplingParams()]
+    gen = torch.Generator(device).manual_seed(0)
+    logits = torch.randn(len(params), v, generator=gen, device=device) * 4.0
+    logits[2] *= 0.1  # flat: its top-p set outgrows the prefilter's candidates
+    batches = [(params, False)]
+    if with_masks:
+        # Masked rows of every kind, and a step whose masked rows are all greedy (no kept sets).
+        batches += [(params, True), (params[:1] * 2, True)]
+    for rows, mask in batches:
+        states = [WorkerSequence([0], p, mask, torch.Generator(device).manual_seed(i))
+                  for i, p in enumerate(rows)]
+        sampler(logits[:len(rows)], sampling_metadata(states, logprobs_mode, device), settle_kept_sets=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
