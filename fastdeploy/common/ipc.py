@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import TypeVar
 
 import psutil
 import zmq
@@ -23,7 +24,10 @@ def endpoint(ipc_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(ipc_dir, name)}"
 
 
-def socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+_Socket = TypeVar("_Socket", bound=zmq.Socket)
+
+
+def socket(ctx: zmq.Context[_Socket], kind: int, address: str, bind: bool) -> _Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if bind:

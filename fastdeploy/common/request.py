@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from fastdeploy.common.limits import EngineLimits
-from fastdeploy.common.sampling_masks import SamplingBitmaps, SamplingMasks
+from fastdeploy.common.sampling_masks import ByteBuffer, SamplingBitmaps, SamplingMasks
 from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 
@@ -46,7 +46,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_mask: SamplingMasks | SamplingBitmaps | None = None
     # float32 LE [len(token_ids)]: each token's logZ, a byte buffer like the masks' (see
     # fastdeploy/common/sampling_masks.py; `logz_values` gives the floats).
-    logz: memoryview | None = None
+    logz: ByteBuffer | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None

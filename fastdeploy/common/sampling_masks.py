@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import msgspec
 import numpy as np
@@ -35,6 +36,12 @@ _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 LOGZ_BYTES = _F32.itemsize  # per token in a logZ buffer
 
+
+if TYPE_CHECKING:
+    ByteBuffer: TypeAlias = bytes | memoryview
+    IdsBuffer: TypeAlias = bytes | memoryview | np.ndarray  # the engine's: numpy views of the frame
+else:
+    ByteBuffer = IdsBuffer = memoryview  # what msgspec decodes the fields to
 
 _EMPTY_OFFSETS = np.zeros(1, dtype=_I32).tobytes()
 _NO_IDS = b""
@@ -45,7 +52,7 @@ def logz_buffer(logz: np.ndarray) -> bytes:
     return np.ascontiguousarray(logz, dtype=_F32).tobytes()
 
 
-def logz_values(buf: bytes | memoryview | None) -> list[float] | None:
+def logz_values(buf: ByteBuffer | None) -> list[float] | None:
     """The floats of a delta's logZ buffer (None stays None)."""
     return None if buf is None else np.frombuffer(buf, dtype=_F32).tolist()
 
@@ -53,7 +60,7 @@ def logz_values(buf: bytes | memoryview | None) -> list[float] | None:
 def encode_buffers(obj: object) -> memoryview:
     """msgspec `enc_hook`: a run's numpy view of its ids goes out as msgpack binary."""
     if isinstance(obj, np.ndarray):
-        return memoryview(obj)
+        return memoryview(obj)  # type: ignore[arg-type]  # numpy declares __buffer__ for Python >= 3.12 only
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
@@ -63,8 +70,8 @@ class SamplingMasks(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
     # in 64 steps at batch 256). They hold only byte buffers, which never refer back to them,
     # so they cannot close a reference cycle.
     # Declared as memoryview, the type they decode to; the engine's are bytes / numpy (above).
-    offsets: memoryview = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
-    ids: memoryview = _NO_IDS  # int32 LE [offsets[n]], each row's ids sorted
+    offsets: ByteBuffer = _EMPTY_OFFSETS  # int32 LE [n + 1], offsets[0] == 0
+    ids: IdsBuffer = _NO_IDS  # int32 LE [offsets[n]], each row's ids sorted
 
     @classmethod
     def from_lists(cls, masks: Sequence[Sequence[int] | None]) -> SamplingMasks:
@@ -134,14 +141,16 @@ def concat_masks(runs: Sequence[SamplingMasks | SamplingBitmaps]) -> SamplingMas
     if not runs:
         return SamplingMasks()
     if isinstance(runs[0], SamplingBitmaps):
-        return concat_bitmaps(runs)  # type: ignore[arg-type]
-    parts = [runs[0].offsets_array()]
+        return concat_bitmaps(cast(Sequence[SamplingBitmaps], runs))
+    masks = cast(Sequence[SamplingMasks], runs)  # the runs of one delta share its format
+    parts = [masks[0].offsets_array()]
     base = int(parts[0][-1])
-    for run in runs[1:]:
+    for run in masks[1:]:
         offsets = run.offsets_array()
         parts.append(offsets[1:] + base)
         base += int(offsets[-1])
-    return SamplingMasks(np.concatenate(parts).astype(_I32, copy=False).tobytes(), b"".join(r.ids for r in runs))
+    ids = b"".join(r.ids for r in masks)  # type: ignore[misc]  # numpy declares __buffer__ for Python >= 3.12 only
+    return SamplingMasks(np.concatenate(parts).astype(_I32, copy=False).tobytes(), ids)
 
 
 def split_runs(offsets: np.ndarray, ids: np.ndarray, counts: Sequence[int]) -> list[SamplingMasks]:
@@ -183,8 +192,8 @@ class SamplingBitmaps(msgspec.Struct, array_like=True, frozen=True, gc=False, ta
     """
 
     width: int = 0  # bytes per bitmap row
-    present: memoryview = _NO_IDS  # uint8 [n]: 1 = a bitmap row, 0 = null
-    bits: memoryview = _NO_IDS  # uint8 [width * sum(present)]
+    present: ByteBuffer = _NO_IDS  # uint8 [n]: 1 = a bitmap row, 0 = null
+    bits: ByteBuffer = _NO_IDS  # uint8 [width * sum(present)]
 
     def __len__(self) -> int:
         return len(self.present)

@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,32 @@ class EngineHandle(Protocol):
     def alive(self) -> bool: ...
 
     async def stop(self, timeout_s: float) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What the API server uses of its engine: one `AsyncEngineClient`, or a `ReplicaSet` of them."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str | None: ...
+
+    @property
+    def limits(self) -> EngineLimits | None: ...
+
+    def replica_of(self, request_id: str) -> int | None: ...
+
+    def engine_stats(self) -> list[tuple[int | None, EngineStats, bool]]: ...
+
+    async def start(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncGenerator[RequestDelta, None]: ...
+
+    async def shutdown(self) -> None: ...
 
 
 class LocalEngine:
@@ -171,6 +197,8 @@ class AsyncEngineClient:
             queue.put_nowait(RequestDelta(request_id, [], finish_reason="error", error=reason))
 
     async def _route_outputs(self) -> None:
+        engine = self.engine
+        assert engine is not None, "started by start()"
         while self.dead_reason is None:
             if await self.out_sock.poll(100):
                 message = self._decoder.decode(await self.out_sock.recv())
@@ -186,10 +214,10 @@ class AsyncEngineClient:
                             queue.put_nowait(delta)
                 elif isinstance(message, EngineDead):
                     self._fail_all(f"engine stopped: {message.message}")
-            elif not self.engine.alive():
+            elif not engine.alive():
                 self._fail_all("engine process exited")
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestDelta, None]:
         """Yield the request's deltas until it finishes; abort it if the caller stops listening."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)

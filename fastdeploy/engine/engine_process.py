@@ -63,7 +63,9 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int, in_address: 
             out_sock.send(encoder.encode(EngineDead(traceback.format_exc())))
             return
         settle_collector("engine")
-        out_sock.send(encoder.encode(EngineReady(core.limits, executor.process.pid)))
+        worker_pid = executor.process.pid
+        assert worker_pid is not None, "the worker process has started"
+        out_sock.send(encoder.encode(EngineReady(core.limits, worker_pid)))
         _serve(core, in_sock, out_sock, encoder, client_pid, lambda: stopping)
     finally:
         if executor is not None:

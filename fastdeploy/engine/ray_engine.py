@@ -61,7 +61,7 @@ class EngineHost:
                                      name="fastdeploy-engine")
         self.process.start()
 
-    def endpoints(self) -> tuple[str, str, int]:
+    def endpoints(self) -> tuple[str, str, int | None]:
         return self.addresses[0], self.addresses[1], self.process.pid
 
     def wait_exit(self) -> int | None:

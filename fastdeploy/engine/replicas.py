@@ -19,14 +19,18 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.limits import EngineLimits
 from fastdeploy.common.request import EngineRequest, RequestDelta
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineStats, LocalEngine
+
+if TYPE_CHECKING:
+    from fastdeploy.engine.ray_engine import ReplicaPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ class ReplicaSet:
         self.config = config
         self.backend = backend
         self.ray_address = ray_address
-        self._placement = None  # ray: the replicas' placement group, made in start()
+        self._placement: ReplicaPlacement | None = None  # ray: the replicas' placement group, made in start()
         self.replicas = [Replica(i, self._make_client(i)) for i in range(size)]
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
         self._assigned: dict[str, int] = {}  # live request id -> the replica serving it
@@ -112,7 +116,11 @@ class ReplicaSet:
         if self.backend == "ray":
             from fastdeploy.engine.ray_engine import RayEngine
 
-            return AsyncEngineClient(self.config, launch=lambda c: RayEngine(c, self._placement, index))
+            def launch(c: EngineConfig) -> RayEngine:
+                assert self._placement is not None, "start() places the replicas first"
+                return RayEngine(c, self._placement, index)
+
+            return AsyncEngineClient(self.config, launch=launch)
         devices = replica_devices(self.config, index)
         return AsyncEngineClient(self.config, launch=lambda c: LocalEngine(c, visible_devices=devices))
 
@@ -161,7 +169,7 @@ class ReplicaSet:
     # zero, so what its predecessors counted is kept in `Replica.retired`.
 
     def engine_stats(self) -> list[tuple[int | None, EngineStats, bool]]:
-        out = []
+        out: list[tuple[int | None, EngineStats, bool]] = []
         for r in self.replicas:
             c, old = r.client, r.retired
             spec = SpecDecodeStats.total([c.spec_decode, old.spec_decode]) if self.config.speculative else None
@@ -200,7 +208,7 @@ class ReplicaSet:
             self._affinity.popitem(last=False)
         return chosen
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestDelta, None]:
         tried: set[int] = set()
         while True:
             replica = self.pick(request, frozenset(tried))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -52,10 +53,12 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            batch = [cast(str | list[int], prompts)]
+        else:
+            batch = cast(list[str | list[int]], prompts)
         token_lists = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-                       for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
+                       for p in batch]
+        texts = [p if isinstance(p, str) else None for p in batch]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
     def chat(
@@ -64,13 +67,13 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
+        texts = [cast(str, self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True))
                  for c in conversations]
         token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
-    def _run(self, texts: list[str | None], token_lists: list[list[int]],
+    def _run(self, texts: Sequence[str | None], token_lists: list[list[int]],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -34,7 +35,7 @@ class TokenTexts:
     def text(self, token_id: int) -> str:
         text = self._text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = cast(str, self.tokenizer.decode([token_id]))  # one sequence of ids: one string
             self._text[token_id] = text
         return text
 
@@ -66,7 +67,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def add(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)

@@ -76,7 +76,7 @@ class CompletionOutput:
                 self._mask_runs = []
             self._mask_runs.append(chunk.sampling_masks.owned())
             self._mask_lists = None
-            self.sampling_logz = (self.sampling_logz or []) + chunk.sampling_logz
+            self.sampling_logz = (self.sampling_logz or []) + (chunk.sampling_logz or [])
         if chunk.finish_reason is not None:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
             self.error, self.error_status = chunk.error, chunk.error_status
@@ -116,7 +116,7 @@ class RequestOutputState:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
 
     def _logprob_entries(self, delta: RequestDelta) -> list[TokenLogprob] | None:
-        if self.params.logprobs is None or delta.logprobs is None:
+        if self.params.logprobs is None or delta.logprobs is None or delta.logprob_token_ids is None:
             return None
         k = self.params.logprobs
         texts = self.token_texts

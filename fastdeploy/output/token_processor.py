@@ -122,6 +122,8 @@ class TokenProcessor:
         if not applied.masked:
             return
         frame = applied.frame
+        if frame.mask_offsets is None or frame.mask_ids is None or frame.logz is None:
+            raise ValueError("sequences asked for sampling masks but the step sent none")
         counts = frame.num_tokens.tolist()
         runs = split_runs(frame.mask_offsets, frame.mask_ids, counts)
         starts = frame.num_tokens.cumsum().tolist()

@@ -45,6 +45,7 @@ class MTPPass:
 
     def _graph_forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.buffers
+        assert b is not None, "graphs are captured only with buffers"
         hidden = self._hidden(b.input_ids[:batch], self.prev_hidden[:batch], b.positions[:batch], b.metadata(batch))
         # Every row drafts: the rows that matter vary per step while the graph is fixed, and at
         # these sizes the extra rows of the head's GEMM cost less than a second graph would.
@@ -61,7 +62,7 @@ class MTPPass:
         """(hidden [d, H], draft tokens int64 [d]) of `draft_rows`, in fresh tensors that the next
         pass does not overwrite."""
         n = input_ids.shape[0]
-        if self.graphs is not None and self.buffers.fits(n, meta):
+        if self.graphs is not None and self.buffers is not None and self.buffers.fits(n, meta):
             batch = self.graphs.padded_size(n)
             self.buffers.load(input_ids, positions, meta, batch)
             self.prev_hidden[:n].copy_(prev_hidden)

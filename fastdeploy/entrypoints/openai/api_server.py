@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from fastdeploy.common.errors import ParameterError
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.engine_client import AsyncEngineClient
+from fastdeploy.engine.engine_client import AsyncEngineClient, EngineClient
 from fastdeploy.engine.replicas import DATA_PARALLEL_BACKENDS, ReplicaSet
 from fastdeploy.entrypoints.openai.body_guard import BodyGuard
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_message
@@ -71,8 +71,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     config = engine_args.create_engine_config()
     names = served_names(args)
     metrics = ServerMetrics(replicas=args.data_parallel_size)
-    client = (ReplicaSet(config, args.data_parallel_size, args.data_parallel_backend, args.ray_address)
-              if args.data_parallel_size > 1 else AsyncEngineClient(config))
+    client: EngineClient = (ReplicaSet(config, args.data_parallel_size, args.data_parallel_backend, args.ray_address)
+                            if args.data_parallel_size > 1 else AsyncEngineClient(config))
     state: dict = {}
 
     @contextlib.asynccontextmanager

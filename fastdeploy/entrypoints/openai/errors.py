@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi.responses import JSONResponse
 
 
@@ -38,7 +40,7 @@ _TYPE_MISMATCHES = {"string_type", "list_type", "int_type", "int_from_float", "i
 _MEMBER_TAGS = {"str", "int", "float", "bool", "constrained-str", "constrained-int", "constrained-float"}
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     """(message, param) for a request pydantic rejected: the most telling error, with union
     member tags ("list[str]", "[key]") left out of the field path."""
     if not errors:

@@ -8,6 +8,8 @@ base64 strings, built from the bytes without a Python str per token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import orjson
 import pybase64
@@ -56,7 +58,7 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
 
 def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_ids: bool) -> dict:
     """The fields OpenAI does not have: sampling masks and token ids."""
-    extra = {}
+    extra: dict[str, Any] = {}
     masks = chunk_or_choice.sampling_masks
     if masks is not None:
         extra["sampling_mask"] = bitmaps_json(masks) if isinstance(masks, SamplingBitmaps) else masks.id_rows()

@@ -185,5 +185,5 @@ class CompletionRequest(CommonRequest):
         if not prompt:
             raise ParameterError("the prompt is empty", "prompt")
         if isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+            return [prompt]
+        return list(prompt)

@@ -7,15 +7,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
 
 from fastdeploy.common.request import EngineRequest
 from fastdeploy.common.sampling_params import ParameterError, SamplingParams
 from fastdeploy.engine.admission import admit_request
-from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError
+from fastdeploy.engine.engine_client import EngineClient, EngineDeadError
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
 from fastdeploy.entrypoints.openai.formatting import sse, usage
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -25,6 +26,8 @@ from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, RequestOutputState
 
 DISCONNECT_POLL_S = 0.5
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class ChoiceEvent:
 
 
 class OpenAIServing:
-    def __init__(self, client: AsyncEngineClient, tokenizer, served_model_names: list[str],
+    def __init__(self, client: EngineClient, tokenizer, served_model_names: list[str],
                  metrics: ServerMetrics) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -66,9 +69,9 @@ class OpenAIServing:
     def engine_requests(self, request: CommonRequest, request_id: str, prompts: list[list[int]],
                         params: SamplingParams, prompt_param: str) -> list[EngineRequest]:
         """One engine request per (prompt, choice); validated here so a bad one is a 400, not a stream error."""
-        if not self.client.healthy:
-            raise engine_unavailable(f"the engine is not available: {self.client.dead_reason}")
         limits = self.client.limits
+        if not self.client.healthy or limits is None:
+            raise engine_unavailable(f"the engine is not available: {self.client.dead_reason}")
         check_sampling(request, limits)
         max_tokens_param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None \
             else "max_tokens"
@@ -186,7 +189,7 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def until_disconnected(raw_request: Request, work: asyncio.Future):
+async def until_disconnected(raw_request: Request, work: Awaitable[_T]) -> _T:
     """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
     task = asyncio.ensure_future(work)
     try:

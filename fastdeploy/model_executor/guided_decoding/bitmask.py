@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xgrammar as xgr
@@ -10,7 +10,10 @@ import xgrammar as xgr
 __all__ = ["apply_token_bitmask_inplace"]
 
 
-def _cuda_backend() -> str:
+_Backend = Literal["cpu", "triton", "torch_native"]  # the xgrammar kernels used here
+
+
+def _cuda_backend() -> _Backend:
     # xgrammar's default CUDA path is its Triton kernel; without Triton fall back to the
     # pure-torch one rather than its "cuda" backend, which JIT-compiles a .cu with nvcc.
     try:
@@ -24,6 +27,7 @@ def _cuda_backend() -> str:
 def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
+    backend: _Backend
     if logits.device.type == "cpu":
         backend = "cpu" if logits.dtype in (torch.float32, torch.float16, torch.bfloat16) else "torch_native"
     elif logits.device.type == "cuda":

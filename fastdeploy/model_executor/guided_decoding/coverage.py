@@ -163,7 +163,8 @@ def _name_rule_gap(node: dict, keyword: str) -> str | None:
     if keyword == "propertyNames":
         return None if all(_name_ok(value, name) for name in listed) else "a listed name may break it"
     # dependencies / dependentRequired: a listed, optional trigger could appear without its dependants.
-    required = node.get("required") if isinstance(node.get("required"), list) else []
+    required = node.get("required")
+    required = required if isinstance(required, list) else []
     if not isinstance(value, dict):
         return "malformed"
     for trigger, needs in value.items():

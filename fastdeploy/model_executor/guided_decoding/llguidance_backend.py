@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import torch
 
 from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the type stub only
 
 __all__ = ["LLGuidanceBackend", "parse", "refused_keyword"]
 
@@ -38,7 +42,7 @@ def refused_keyword(message: str) -> tuple[str, str] | None:
     return None
 
 
-def _json_options(spec: GuidedSpec) -> dict:
+def _json_options(spec: GuidedSpec) -> JsonCompileOptions:
     # Overrides win over a schema's own "x-guidance" options, so a schema cannot switch
     # on lenient mode (which ignores keywords) unless the request asked for best effort.
     return {

@@ -115,7 +115,8 @@ def json_type(value: Any) -> str:
         return "integer"
     if isinstance(value, float):
         return "number"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
+    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return names[type(value)]
 
 
 def widen(types: set[str]) -> set[str]:

@@ -120,6 +120,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         moe = config.moe
+        assert moe is not None, "a sparse MoE block needs config.moe"
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)

@@ -20,6 +20,7 @@ def _base_inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Te
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     """Long wavelengths divided by the factor, short ones kept, a smooth ramp between."""
     old_context_len = s.original_max_position_embeddings
+    assert old_context_len is not None, "set for llama3 by hf_config"
     low_freq_wavelen = old_context_len / s.low_freq_factor
     high_freq_wavelen = old_context_len / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -45,9 +46,11 @@ def yarn_attention_factor(s: RopeScaling) -> float:
 
 def _yarn_inv_freq(head_dim: int, base: float, s: RopeScaling, device: torch.device) -> torch.Tensor:
     """Interpolated (divided by the factor) below the correction range, extrapolated above, a ramp within."""
+    original = s.original_max_position_embeddings
+    assert original is not None, "set for yarn by hf_config"
 
     def correction_dim(num_rotations: float) -> float:
-        return (head_dim * math.log(s.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))) / (
             2 * math.log(base))
 
     low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)

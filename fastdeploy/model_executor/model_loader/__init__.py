@@ -6,7 +6,7 @@ import os
 
 import gguf
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config, init_dummy_weights
@@ -66,7 +66,7 @@ def get_model(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
     reader = gguf.GGUFReader(path) if fmt == "gguf" else None
-    if fmt == "gguf":
+    if reader is not None:
         config = gguf_model_config(reader)
     elif fmt == "safetensors":
         config = hf_model_config(path)
@@ -90,7 +90,7 @@ def get_model(
             raise ValueError(f"{path}: weights missing from the checkpoint: {missing[:8]}")
         if gguf_quantized is None:
             gguf_quantized = dtype == torch.bfloat16
-        if fmt == "gguf" and gguf_quantized and torch.device(device).type == "cpu":
+        if reader is not None and gguf_quantized and torch.device(device).type == "cpu":
             keep_gguf_quantized(net, reader, config)
     net.eval().requires_grad_(False)
     return net, config
@@ -116,7 +116,7 @@ def tokenizer_path(model: str | None, tokenizer: str | None = None) -> str:
     return path
 
 
-def get_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerFast:
+def get_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
     """The fast tokenizer of `model`, or the one at `tokenizer`, from local files only (never the network).
 
     GGUF files carry their tokenizer (and chat template) in metadata; directories

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import cast
 
 import gguf
 import numpy as np
 import torch
+from torch import nn
 
 from fastdeploy.common.config import ModelConfig
 from fastdeploy.distributed.parallel_state import tp_size
@@ -76,7 +78,7 @@ def keep_gguf_quantized(net: LlamaForCausalLM, reader: gguf.GGUFReader, config: 
                 dense[f"{'/'.join(sorted(kinds))}: no exact weight-only matmul in PyTorch"] += names
                 continue
             full_name = f"model.layers.{i}.{module_name}"
-            linear = net.get_submodule(full_name)
+            linear = cast(nn.Linear, net.get_submodule(full_name))
             if linear.in_features % 32:
                 dense["input size not a multiple of 32"] += names
                 continue

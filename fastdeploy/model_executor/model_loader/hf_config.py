@@ -8,6 +8,8 @@ checkpoint never runs with part of its math silently dropped.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from fastdeploy.common.config import ModelConfig, MoEConfig, RopeScaling
 
 # HF model_type -> ModelConfig.architecture
@@ -54,7 +56,7 @@ class UnsupportedConfigError(ValueError):
     """A config.json setting that changes the model's math and is not implemented."""
 
 
-def _refuse(model_type: str, key: str, value: object, why: str = "is not implemented") -> None:
+def _refuse(model_type: str, key: str, value: object, why: str = "is not implemented") -> NoReturn:
     raise UnsupportedConfigError(f"config.json of this {model_type} model sets {key}={value!r}, which {why}; "
                                  "refusing to load rather than run different math")
 
@@ -152,7 +154,8 @@ def _fp8_block(cfg: dict, model_type: str) -> tuple[int, int] | None:
 
 
 def _moe(cfg: dict) -> MoEConfig:
-    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers >= 5 writes the latter
+    # transformers >= 5 writes the latter
+    num_experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
     return MoEConfig(
         num_experts=int(num_experts),
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),

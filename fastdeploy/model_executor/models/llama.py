@@ -13,6 +13,7 @@ HF-named tensors and slices them into the fused parameters.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
-from fastdeploy.model_executor.layers.moe import SparseMoeBlock, expert_weight_slot
+from fastdeploy.model_executor.layers.moe import MoEExperts, SparseMoeBlock, expert_weight_slot
 from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -69,7 +70,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         fused = qkv.is_cuda if fused is None else fused
         if fused:
-            if self.q_norm is not None:
+            if self.q_norm is not None and self.k_norm is not None:
                 _fused().qk_norm_rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                        self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             else:
@@ -78,7 +79,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if not fused:
-            if self.q_norm is not None:
+            if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
@@ -251,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
             slot = expert_weight_slot(name)
             if slot is not None:  # one expert's gate, up or down matrix, into the stacked experts
                 try:
-                    experts = self.get_submodule(slot.module)
+                    experts = cast(MoEExperts, self.get_submodule(slot.module))
                 except AttributeError:
                     raise KeyError(f"unexpected weight {name!r}") from None
                 target = f"{slot.module}.{experts.load_expert(slot.expert, slot.proj, tensor)}"
