@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve test bench clean
+.PHONY: install serve lint test bench clean
 
 $(STAMP): requirements.txt requirements-test.txt requirements-paddle.txt setup.py $(wildcard custom_ops/*)
 	python3 -m venv $(VENV)
@@ -26,7 +26,13 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/fastdeploy serve --host $(HOST) --port $(PORT)
 
-test: install
+# Static checks (config in pyproject.toml): lint, types, import layers. Each fails the target.
+lint: install
+	$(VENV)/bin/ruff check fastdeploy tests benchmarks tools
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest
 
 bench: install
