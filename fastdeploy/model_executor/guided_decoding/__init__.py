@@ -1,6 +1,5 @@
-"""Guided (structured) decoding with xgrammar or llguidance: backend
-choice, async compilation, per-request matchers and the token bitmask. See DESIGN.md,
-"Guided decoding", and docs/structured_output.md."""
+"""Guided (structured) decoding with xgrammar or llguidance: backend choice, async
+compilation, per-request matchers and the token bitmask. See docs/structured_output.md."""
 
 from fastdeploy.common.guided_spec import GUIDED_KINDS, GuidedSpec
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend, TokenMatcher
