@@ -1,0 +1,83 @@
+"""A runner step in two halves: `launch` returns an `InFlightStep`, `finish` its output.
+
+On the CPU: launching then finishing gives the frame `execute` gives for the same steps
+(seeded, masks and logprobs on), a step with nothing to sample is finished at launch, and the
+runner packs with the C++ op where it is built.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.step_frame import split_by_sequence, unpack_step_frame
+from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput
+from fastdeploy.ops.step_packer import CpuOpPacker
+from fastdeploy.worker.in_flight_step import InFlightStep
+from fastdeploy.worker.model_runner import ModelRunner
+from tests.random_qwen2 import save_random_qwen2
+
+PROMPT = [5, 17, 42, 9, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2_in_flight"), vocab_size=2_000)
+
+
+def _runner(model_dir: str) -> ModelRunner:
+    return ModelRunner(EngineConfig(
+        model=model_dir, device="cpu", dtype="float32", guided_decoding_backend="off", enable_keep_sampling_mask=True,
+        cache=CacheConfig(block_size=4, num_blocks=32),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)))
+
+
+BLOCKS = [[1, 2, 3], [4, 5, 6]]
+
+
+def _step(n: int, last: list[int]) -> StepInput:
+    """Step 0: two sequences' prefill; step n > 0: their decode of `last`, each's newest token."""
+    if n == 0:
+        params = [SamplingParams(top_p=0.9, seed=3, logprobs=2), SamplingParams(temperature=0.0)]
+        news = [NewSequence(i, PROMPT[: 4 + i], p, return_sampling_mask=True) for i, p in enumerate(params)]
+        return StepInput(0, news, [ChunkInput(i, PROMPT[: 4 + i], 0, BLOCKS[i], True) for i in range(2)], [])
+    return StepInput(n, [], [ChunkInput(i, [last[i]], 4 + i + n - 1, BLOCKS[i], True) for i in range(2)], [])
+
+
+def _run(runner: ModelRunner, halves: bool, num_steps: int) -> list[bytes]:
+    frames: list[bytes] = []
+    last: list[int] = []
+    for n in range(num_steps):
+        step = _step(n, last)
+        if halves:
+            launched = runner.launch(step)
+            assert isinstance(launched, InFlightStep) and launched.finished is None
+            output = runner.finish(launched)
+        else:
+            output = runner.execute(step)
+        output.wait_mask_ids()
+        frames.append(bytes(output.frame))
+        last = [r.token_ids[-1] for r in split_by_sequence(unpack_step_frame(output.frame))]
+    return frames
+
+
+def test_launch_then_finish_equals_execute(model_dir) -> None:
+    halves = _run(_runner(model_dir), halves=True, num_steps=4)
+    whole = _run(_runner(model_dir), halves=False, num_steps=4)
+    assert halves == whole
+    frame = unpack_step_frame(halves[-1])
+    assert frame.mask_offsets is not None and frame.lp_ids is not None and len(frame.token_ids) == 2
+
+
+def test_step_without_chunks_is_finished_at_launch(model_dir) -> None:
+    runner = _runner(model_dir)
+    launched = runner.launch(StepInput(7, [], [], []))
+    assert launched.finished is not None and launched.sampling is None
+    output = runner.finish(launched)
+    frame = unpack_step_frame(output.frame)
+    assert frame.message_id == 7 and len(frame.seq_ids) == 0
+
+
+def test_host_runner_packs_with_the_built_op(model_dir) -> None:
+    assert isinstance(_runner(model_dir).packer, CpuOpPacker)
