@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.common import CollectorWatch, machine_with_device, png_path, print_table, pyplot, write_json  # noqa: E402
 from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.common.step_slots import StepSlots  # noqa: E402
-from fastdeploy.ops.step_packer import pack_step_slots_tensor  # noqa: E402
+from fastdeploy.ops.step_packer import CpuOpPacker  # noqa: E402
 from fastdeploy.output.token_processor import TokenProcessor  # noqa: E402
 from fastdeploy.scheduler.sequence import Sequence  # noqa: E402
 
@@ -44,7 +44,7 @@ def packed_frame(batch: int, ids_per_token: int, mask: bool) -> memoryview:
         slots.mask_offsets = torch.arange(batch + 1, dtype=torch.int32) * ids_per_token
         slots.mask_ids = torch.randint(0, 150_000, (batch * ids_per_token,), dtype=torch.int32)
         slots.logz = torch.zeros(batch, 1)
-    return memoryview(pack_step_slots_tensor(slots).numpy())
+    return CpuOpPacker().pack(slots).buffer
 
 
 def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, watch: CollectorWatch) -> dict:

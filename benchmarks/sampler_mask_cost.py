@@ -43,7 +43,8 @@ from benchmarks.common import (  # noqa: E402
 from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata  # noqa: E402
 from fastdeploy.model_executor.layers.sample.sampler import Sampler  # noqa: E402
-from fastdeploy.worker.model_runner import ModelRunner, WorkerSequence  # noqa: E402
+from fastdeploy.worker.input_prep import sampling_metadata  # noqa: E402
+from fastdeploy.worker.sequence_state import WorkerSequence  # noqa: E402
 
 
 def runner_metadata(device: torch.device, b: int, greedy_share: float, mask: bool) -> SamplingMetadata:
@@ -53,7 +54,7 @@ def runner_metadata(device: torch.device, b: int, greedy_share: float, mask: boo
     states = [WorkerSequence([1, 2, 3], SamplingParams(temperature=0.0) if r in greedy else SamplingParams(top_p=0.95),
                              mask, None) for r in range(b)]
     runner = SimpleNamespace(device=device, config=SimpleNamespace(logprobs_mode="raw_logprobs"))
-    return ModelRunner._sampling_metadata(runner, states)
+    return sampling_metadata(states, runner.config.logprobs_mode, runner.device)
 
 
 def measure(device: torch.device, logits: torch.Tensor, meta: SamplingMetadata, reps: int) -> dict:
