@@ -56,7 +56,9 @@ def run(frame: memoryview, batch: int, steps: int, mask: bool, hold: bool, watch
     count0, seconds0 = watch.snapshot()
     t0 = time.perf_counter()
     for _ in range(steps):
-        results = processor.process(frame, sequences)
+        applied = processor.apply(frame, sequences)  # what the engine does with each step
+        processor.attach_masks(applied)
+        results = applied.results
         if hold:
             held.append(results)
     ms = (time.perf_counter() - t0) * 1e3

@@ -64,14 +64,6 @@ class TokenProcessor:
             return "length", None
         return None, None
 
-    def process(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
-                grammar_terminated: frozenset[int] = frozenset(),
-                mask_bits: np.ndarray | None = None) -> list[tuple[Sequence, RequestDelta]]:
-        """`apply` then `attach_masks`: the deltas complete."""
-        applied = self.apply(frame_bytes, sequences, grammar_terminated, mask_bits)
-        self.attach_masks(applied)
-        return applied.results
-
     def apply(self, frame_bytes: FrameBuffer, sequences: dict[int, Sequence],
               grammar_terminated: frozenset[int] = frozenset(), mask_bits: np.ndarray | None = None) -> AppliedStep:
         """Append accepted tokens to their sequences; one delta per sequence in the frame, its

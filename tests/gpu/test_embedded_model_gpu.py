@@ -71,11 +71,12 @@ def test_gpu_bf16_matches_cpu_float32_and_graphs_match_eager() -> None:
     for cpu, gpu in zip(cpu_runs, gpu_runs, strict=True):
         assert len(cpu) == len(gpu) == NUM_TOKENS
         cpu_ids, gpu_ids = [t.token_id for t in cpu], [t.token_id for t in gpu]
-        prefix = next((i for i, (a, b) in enumerate(zip(cpu_ids, gpu_ids)) if a != b), NUM_TOKENS)
+        prefix = next((i for i, (a, b) in enumerate(zip(cpu_ids, gpu_ids, strict=True)) if a != b), NUM_TOKENS)
         row = {
-            "agree": sum(a == b for a, b in zip(cpu_ids, gpu_ids)),
+            "agree": sum(a == b for a, b in zip(cpu_ids, gpu_ids, strict=True)),
             "common_prefix": prefix,
-            "max_logprob_abs_diff": max(abs(a.logprob - b.logprob) for a, b in zip(cpu[:prefix], gpu[:prefix]))
+            "max_logprob_abs_diff": max(abs(a.logprob - b.logprob)
+                                        for a, b in zip(cpu[:prefix], gpu[:prefix], strict=True))
             if prefix else 0.0,
         }
         if prefix < NUM_TOKENS:

@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-from fastdeploy.common.request import EngineOutputs
+from fastdeploy.common.request import EngineOutputs, RequestDelta
 from fastdeploy.common.sampling_masks import SamplingBitmaps, SamplingMasks, encode_buffers, logz_values
 from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.common.step_frame import StepFrame, pack_step_frame
@@ -18,6 +18,14 @@ from fastdeploy.output.output_processor import CompletionOutput, RequestOutputSt
 from fastdeploy.output.token_processor import TokenProcessor
 from fastdeploy.scheduler.sequence import Sequence
 from tests.bitmaps import bitmap_array, bitmap_lists
+
+
+def processed(processor: TokenProcessor, frame: bytes, sequences: dict[int, Sequence],
+              mask_bits: np.ndarray | None = None) -> list[tuple[Sequence, RequestDelta]]:
+    """One step as the engine handles it: `apply`, then `attach_masks` (the mask ids are on the host)."""
+    applied = processor.apply(frame, sequences, mask_bits=mask_bits)
+    processor.attach_masks(applied)
+    return applied.results
 
 
 def frame_of(seq_ids: list[int], tokens: list[list[int]], masks: list[list[list[int] | None]]) -> bytes:
@@ -43,7 +51,7 @@ def test_token_processor_cuts_masks_at_the_finishing_token_and_drops_opted_out_r
     }
     masks = [[[1, 2], None, [stop, 100], [7]], [None], []]
     frame = frame_of([1, 2, 3], [[10, 11, stop, 12], [13], []], masks)
-    out = {seq.seq_id: delta for seq, delta in TokenProcessor([0], 512).process(frame, sequences)}
+    out = {seq.seq_id: delta for seq, delta in processed(TokenProcessor([0], 512), frame, sequences)}
     assert out[1].token_ids == [10, 11, stop] and out[1].finish_reason == "stop"
     assert out[1].sampling_mask.to_lists() == [[1, 2], None, [stop, 100]]
     assert logz_values(out[1].logz) == pytest.approx([0.0, -0.1, -0.2])
@@ -73,7 +81,7 @@ def test_bitmap_and_ids_sequences_of_one_frame_get_the_same_sets():
         bits[b, :len(masks[b])] = bitmap_array(masks[b], 49152)
     bits[1, 1:] = 255
     out = {seq.seq_id: delta for seq, delta in
-           TokenProcessor([0], 512).process(frame_of([1, 2, 3], tokens, csr_masks), sequences, mask_bits=bits)}
+           processed(TokenProcessor([0], 512), frame_of([1, 2, 3], tokens, csr_masks), sequences, mask_bits=bits)}
     assert isinstance(out[1].sampling_mask, SamplingBitmaps) and isinstance(out[3].sampling_mask, SamplingBitmaps)
     assert isinstance(out[2].sampling_mask, SamplingMasks)
     assert bitmap_lists(out[1].sampling_mask) == [[1, 2], None, [stop, 100]]  # cut at the stop token
@@ -95,7 +103,7 @@ def run_deltas(tokenizer, params: SamplingParams, token_runs: list[list[int]],
     chunks = []
     sequences = {1: Sequence(1, "r", [5], params, return_sampling_mask=True)}
     for tokens, masks in zip(token_runs, mask_runs, strict=True):
-        for _, delta in TokenProcessor([0], 10_000).process(frame_of([1], [tokens], [masks]), sequences):
+        for _, delta in processed(TokenProcessor([0], 10_000), frame_of([1], [tokens], [masks]), sequences):
             chunk = state.update(delta)
             chunks.append(chunk)
             output.add(chunk)
@@ -140,7 +148,7 @@ def test_no_mask_requested_reads_none(tokenizer):
     state = RequestOutputState(SamplingParams(), tokenizer, TokenTexts(tokenizer))
     sequences = {1: Sequence(1, "r", [5], SamplingParams(), return_sampling_mask=False)}
     output = CompletionOutput()
-    for _, delta in TokenProcessor([0], 512).process(frame_of([1], [[10, 11]], [[[1], [2]]]), sequences):
+    for _, delta in processed(TokenProcessor([0], 512), frame_of([1], [[10, 11]], [[[1], [2]]]), sequences):
         output.add(state.update(delta))
     assert output.sampling_mask is None and output.sampling_masks is None
     assert "sampling_mask" not in extra_fields(output, False)
