@@ -114,9 +114,8 @@ class _Matcher:
     accepted here when the match is complete, and ends the sequence ("terminated").
     """
 
-    def __init__(self, template: llg.LLMatcher, tokenizer: llg.LLTokenizer, stop_token_ids: list[int]) -> None:
+    def __init__(self, template: llg.LLMatcher, stop_token_ids: list[int]) -> None:
         self._m = template.deep_copy()
-        self._tokenizer = tokenizer
         self._stop = frozenset(stop_token_ids)
         self._stop_list = list(stop_token_ids)
         self._terminated = False
@@ -139,14 +138,6 @@ class _Matcher:
             self._terminated = self._m.is_accepting()
             return self._terminated
         return self._m.try_consume_tokens([token_id]) == 1
-
-    def accept_string(self, text: str) -> bool:
-        tokens = self._tokenizer.tokenize_str(text)
-        n = self._m.try_consume_tokens(tokens)
-        if n != len(tokens):
-            self._m.rollback(n)
-            return False
-        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0 and self._terminated:
@@ -194,4 +185,4 @@ class LLGuidanceBackend:
         return CompiledGrammar(self, spec, template, len(grammar))
 
     def matcher(self, compiled: CompiledGrammar) -> _Matcher:
-        return _Matcher(compiled.handle, self.tokenizer, self.stop_token_ids)
+        return _Matcher(compiled.handle, self.stop_token_ids)

@@ -58,10 +58,6 @@ class GuidedState:
             n += 1
         return n
 
-    def accept_string(self, text: str) -> bool:
-        """Advance by raw text (no tokenization by the model; for tests). Not counted for rollback."""
-        return self._matcher.accept_string(text)
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens <= 0:

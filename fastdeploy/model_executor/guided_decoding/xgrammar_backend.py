@@ -112,9 +112,6 @@ class _Matcher:
     def accept(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
 
-    def accept_string(self, text: str) -> bool:
-        return self._m.accept_string(text)
-
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
