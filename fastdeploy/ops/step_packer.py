@@ -185,7 +185,9 @@ class CudaOpPacker:
     def pack(self, slots: StepSlots) -> PackedStep:
         bits = _bitmaps_to_host(slots.mask_bits) if slots.mask_bits is not None else None
         if slots.has_mask and slots.token_ids.shape[1] == 1:
-            return self._pack_copying_ids(slots, bits)
+            step = self._pack_copying_ids(slots, bits)
+            if step is not None:
+                return step
         if slots.has_mask:
             packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*op_args(slots))
             written = torch.cuda.Event()
@@ -193,13 +195,15 @@ class CudaOpPacker:
             return _tensor_step(packed, bits, written)
         return _tensor_step(torch.ops.fastdeploy_ops.pack_step_slots(*op_args(slots)), bits)
 
-    def _pack_copying_ids(self, slots: StepSlots, bits: np.ndarray | None) -> PackedStep:
+    def _pack_copying_ids(self, slots: StepSlots, bits: np.ndarray | None) -> PackedStep | None:
         """For slots of one accepted slot per sequence over a CSR that starts at 0 (a sampler's
-        own): the frame's mask ids are then `mask_ids[:M]` exactly as they lie."""
+        own): the frame's mask ids are then `mask_ids[:M]` exactly as they lie. None when a
+        sequence accepted no slot (the ids are then not in frame order); a sampled step without
+        drafts never does that, so the split op's second pass is only a safety net."""
         packed = torch.ops.fastdeploy_ops.pack_step_slots_split(*op_args(slots), False)
         step = _tensor_step(packed, bits)
         if len(step.frame.token_ids) != slots.token_ids.shape[0]:
-            raise ValueError("the ids lie in frame order only when every sequence has one accepted slot")
+            return None
         assert step.frame.mask_ids is not None and slots.mask_ids is not None
         step.mask_ids_pending = DeferredIdsCopy(packed, step.frame.mask_ids, slots.mask_ids, self._copy_stream)
         return step
