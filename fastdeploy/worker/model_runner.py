@@ -100,11 +100,8 @@ class ModelRunner:
                                         config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser,
                                         backend=config.guided_decoding_backend)
         if rank == 0:  # the rank that samples
-            self._warm_up_sampler()
-
-    def _warm_up_sampler(self) -> None:
-        warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
-                        self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
+            warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
+                            self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
 
     @property
     def info(self) -> WorkerInfo:

@@ -13,6 +13,7 @@ import torch
 from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.worker.model_runner import ModelRunner
+from fastdeploy.worker.warmup import warm_up_sampler
 from tests.random_qwen2 import save_random_qwen2
 
 
@@ -61,5 +62,5 @@ def test_warm_up_leaves_the_global_random_state(model_dir) -> None:
     runner = _runner(model_dir, True)
     torch.manual_seed(1234)
     before = torch.get_rng_state()
-    runner._warm_up_sampler()
+    warm_up_sampler(runner.sampler, runner.model_config.vocab_size, runner.device, True, runner.config.logprobs_mode)
     assert torch.equal(torch.get_rng_state(), before)
