@@ -10,6 +10,11 @@ from fastdeploy.scheduler.block_manager import BlockManager, blocks_needed
 from fastdeploy.scheduler.prefix_hash import extend_block_hashes
 from fastdeploy.scheduler.sequence import SeqStatus, Sequence
 
+# A waiting sequence whose next uncached blocks another sequence is computing in this step waits a
+# step for them only when they hold at least this many tokens: a step of delay is a poor price for
+# a short stretch, such as a chat template's first block shared by unrelated prompts.
+MIN_SHARED_TOKENS_TO_WAIT = 64
+
 
 @dataclass
 class ScheduledChunk:
@@ -126,9 +131,10 @@ class Scheduler:
                 # At least the last known token is computed: it gives the logits to sample from.
                 hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_manager.block_size]
                 cached = self.block_manager.cached_blocks(hashes)
-                if len(cached) < len(hashes) and hashes[len(cached)] in computing:
-                    # Another sequence is computing the rest of this prefix right now (an n > 1
-                    # group, a burst of one prompt): wait for its blocks instead of redoing them.
+                if _shared_in_flight(hashes, len(cached), computing) * self.block_manager.block_size \
+                        >= MIN_SHARED_TOKENS_TO_WAIT:
+                    # Another sequence is computing the next stretch of this prefix right now (an
+                    # n > 1 group, a burst of one prompt): wait for its blocks instead of redoing them.
                     continue
             # Admit only with room for the whole known sequence plus its next token,
             # so a fresh admission does not immediately force a preemption.
@@ -203,3 +209,11 @@ class Scheduler:
         for seq in self.running:
             pending.update(seq.block_hashes[seq.num_registered_blocks:])
         return pending
+
+
+def _shared_in_flight(hashes: list[bytes], start: int, computing: set[bytes]) -> int:
+    """How many of `hashes`, from `start` on, are being computed by a running sequence."""
+    n = 0
+    while start + n < len(hashes) and hashes[start + n] in computing:
+        n += 1
+    return n

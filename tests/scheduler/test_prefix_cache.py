@@ -19,7 +19,7 @@ from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.prefix_hash import extend_block_hashes, root_hash
-from fastdeploy.scheduler.scheduler import Scheduler
+from fastdeploy.scheduler.scheduler import MIN_SHARED_TOKENS_TO_WAIT, Scheduler
 from fastdeploy.scheduler.sequence import Sequence
 from tests.random_qwen2 import save_random_qwen2
 
@@ -85,18 +85,39 @@ def test_admission_takes_the_cached_prefix_and_computes_at_least_one_token():
 
 
 def test_a_group_waits_for_the_prefix_its_first_member_computes():
-    bm = BlockManager(64, BLOCK, enable_prefix_caching=True)
+    bm = BlockManager(128, BLOCK, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(8, 256, 64), bm)
-    group = [Sequence(i, f"g{i}", list(range(1, 18)), SamplingParams()) for i in range(3)]
+    prompt = list(range(1, 71))  # 17 full blocks (68 tokens) before the last token
+    assert 16 * BLOCK >= MIN_SHARED_TOKENS_TO_WAIT
+    group = [Sequence(i, f"g{i}", list(prompt), SamplingParams()) for i in range(3)]
     for seq in group:
         sched.add(seq)
     step = sched.schedule()
     assert [c.seq.request_id for c in step.chunks] == ["g0"]
     sched.on_step_done(step)
     step = sched.schedule()
-    assert sorted((c.seq.request_id, c.start) for c in step.chunks if c.seq is not group[0]) == [("g1", 16),
-                                                                                                  ("g2", 16)]
-    assert group[1].block_ids[:4] == group[0].block_ids[:4] == group[2].block_ids[:4]
+    # g0's first chunk (the 64-token step budget) computed 16 blocks; the one left in flight is
+    # too short to wait for.
+    assert sorted((c.seq.request_id, c.start) for c in step.chunks if c.seq is not group[0]) == [("g1", 64),
+                                                                                                  ("g2", 64)]
+    assert group[1].block_ids[:16] == group[0].block_ids[:16] == group[2].block_ids[:16]
+
+
+def test_a_short_shared_prefix_is_not_waited_for():
+    # Two shared blocks (8 tokens, like a chat template's start): every prompt is admitted at once.
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(8, 256, 64), bm)
+    seqs = [Sequence(i, f"s{i}", [7] * 8 + [100 + i] * 9, SamplingParams()) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    step = sched.schedule()
+    assert sorted((c.seq.request_id, c.start) for c in step.chunks) == [("s0", 0), ("s1", 0), ("s2", 0)]
+    sched.on_step_done(step)
+    # Each computed its own copy of the shared blocks; the first registered stays the cached one.
+    later = Sequence(9, "later", [7] * 8 + [200] * 9, SamplingParams())
+    sched.add(later)
+    step = sched.schedule()
+    assert [(c.seq.request_id, c.start) for c in step.chunks if c.seq is later] == [("later", 8)]
 
 
 # Engine-level exactness.
