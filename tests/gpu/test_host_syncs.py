@@ -40,8 +40,9 @@ def _decode_syncs(llm: LLM, params: SamplingParams):
     with count_step_syncs(runner) as steps:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
-    # With prefix caching the first prompt computes the chat template's shared blocks alone and
-    # the others join a step later, so the batch thins out by one at the end: count full steps.
+    # A prompt admitted a step before the others (one that waited for a shared prefix, or a
+    # chunked prefill) also finishes a step earlier, so the batch may thin out at the end:
+    # count the steps that hold every prompt.
     decode = [s for s in steady_decode(steps) if s.batch == len(PROMPTS)]
     assert len(decode) >= params.max_tokens // 2, "the batch should decode together"
     return decode
