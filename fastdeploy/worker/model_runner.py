@@ -22,7 +22,6 @@ from fastdeploy.distributed.shard import local_config
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
-from fastdeploy.model_executor.layers.sample import kept_set_gpu
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model, tokenizer_path
@@ -81,7 +80,7 @@ class ModelRunner:
         use_graphs = uses_graphs(config, self.device)
         self.cuda_graphs: CudaGraphRunner | None = \
             capture_decode_graphs(self.model, self.kv_caches, shape) if use_graphs else None
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)
         # Chosen once: the packer for the device the sampler's output lives on (rank 0 samples).
         self.packer: StepPacker | None = choose_packer(self.device) if rank == 0 else None
         self._plans = PlanChannel()
@@ -148,7 +147,7 @@ class ModelRunner:
                                                 self.config.logprobs_mode, self.device)
         metadata.token_bitmask = self._bitmask(seq_ids, slot_drafts, bool(drafts))
         assert metadata.row_groups is not None  # sampling_metadata always splits the rows
-        may_redraw = kept_set_gpu.uses_fast_path(self.device) and bool(metadata.row_groups.host[1])
+        may_redraw = self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
         sampled = self.sampler(logits, metadata, settle_kept_sets=False)
         return InFlightStep(events, QueuedSampling(step.message_id, chunks, drafts, seq_ids, slot_drafts, states,

@@ -58,6 +58,9 @@ class KeptSets(Protocol):
 class KeptSetBackend(Protocol):
     """How one device computes kept sets and the sampling mask built from them."""
 
+    # Whether `KeptSets.unsettled` can report rows without `settle` (so a step may need a redraw).
+    leaves_unsettled: bool
+
     def kept_sets(
         self,
         proc: torch.Tensor,

@@ -54,6 +54,8 @@ class WindowKeptSets:
 class TorchKeptSetBackend:
     """`KeptSetBackend` on any device."""
 
+    leaves_unsettled = False
+
     def kept_sets(
         self,
         proc: torch.Tensor,

@@ -49,6 +49,8 @@ class DenseKeptSets:
 class TritonKeptSetBackend:
     """`KeptSetBackend` on CUDA with Triton."""
 
+    leaves_unsettled = True
+
     def kept_sets(
         self,
         proc: torch.Tensor,

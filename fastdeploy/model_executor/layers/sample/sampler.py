@@ -28,7 +28,7 @@ from fastdeploy.model_executor.layers.sample.ops import (
 )
 from fastdeploy.model_executor.layers.sample.truncation import take_rows, truncation_flags
 
-__all__ = ["UNSETTLED_TOKEN", "Sampler", "gumbel_noise", "kept_set_backend", "process_logits", "sample"]
+__all__ = ["UNSETTLED_TOKEN", "Sampler", "gumbel_noise", "kept_set_backend", "process_logits"]
 
 NEG_INF = float("-inf")
 
@@ -157,6 +157,11 @@ class Sampler:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self._kept_sets = kept_set_backend(torch.device(device)) if device is not None else None
 
+    @property
+    def leaves_unsettled(self) -> bool:
+        """Whether a call without ``settle_kept_sets`` may mark tokens ``UNSETTLED_TOKEN``."""
+        return self._kept_sets is not None and self._kept_sets.leaves_unsettled
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, settle_kept_sets: bool = False) -> SamplerOutput:
         """On CUDA, a truncating row whose kept set the kernel could not settle gets the token
         ``UNSETTLED_TOKEN`` (no host sync spent on finding out); ``settle_kept_sets=True``
@@ -248,8 +253,3 @@ class Sampler:
         if unsettled is not None:
             out.sampled_token_ids[t_rows] = torch.where(unsettled, UNSETTLED_TOKEN, sampled[t_rows])
         return out
-
-
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """Functional form of ``Sampler()(logits, meta)``."""
-    return Sampler()(logits, meta)
