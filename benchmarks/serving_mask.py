@@ -20,7 +20,9 @@ Per run: output tok/s (completion tokens / wall time of the run, every client's 
 in full), the ratio to the flag-off server's tok/s in the same case, kept ids per token and
 response bytes per token (from the bodies, parsed after the clock stops), the server's RSS
 (API server, engine and worker processes together) after the run, and the CPU time per token
-of each of those processes (where the masks' cost lands).
+of each of those processes (where the masks' cost lands). `--client-procs P` spreads the clients
+over P load-generator processes that start together: a 7B-vocabulary bitmap body is about 6 MB
+per 256 tokens, and one Python client process may read them slower than a GPU server writes them.
 
 `--rss-requests N` then sends N short masked requests (8 tokens, flat case, bitmap and ids
 alternating) to the flag-on server and records its RSS before and after: nothing of a
@@ -37,12 +39,14 @@ import argparse
 import asyncio
 import base64
 import json
+import multiprocessing
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -69,11 +73,16 @@ CASES = {"peaked": {"temperature": 1.0, "top_p": 0.9}, "flat": {"temperature": 1
 
 
 @dataclass
-class RunResult:
-    tokens: int
-    wall_s: float
-    bodies: list[bytes]
+class LoadStats:
+    """What one share of the clients saw: counts summed over its bodies, its clock and CPU."""
+    tokens: int            # completion tokens from the bodies' usage
+    masks: int             # mask rows in the bodies
+    ids: int               # kept ids over those rows (a null row counts the whole vocabulary)
+    body_bytes: int
     errors: list[str]
+    start: float           # perf_counter (CLOCK_MONOTONIC: one clock for every process here)
+    end: float
+    cpu_s: float
 
 
 def server_rss_mb(server: Server) -> float:
@@ -97,39 +106,13 @@ def process_cpu_s(server: Server) -> dict[str, float]:
     return out
 
 
-def request_body(server: Server, index: int, case: str, max_tokens: int, mask_format: str | None) -> dict:
-    body = {"model": server.model, "prompt": f"Request {index}. Write a short story about "
-                                             f"{TOPICS[index % len(TOPICS)]}.",
+def request_body(model: str, index: int, case: str, max_tokens: int, mask_format: str | None) -> dict:
+    body = {"model": model, "prompt": f"Request {index}. Write a short story about "
+                                      f"{TOPICS[index % len(TOPICS)]}.",
             "max_tokens": max_tokens, "ignore_eos": True, "seed": index, **CASES[case]}
     if mask_format is not None:
         body["sampling_mask_format"] = mask_format
     return body
-
-
-async def run_load(server: Server, case: str, mask_format: str | None, clients: int, per_client: int,
-                   max_tokens: int, first_index: int = 0) -> RunResult:
-    bodies: list[bytes] = []
-    errors: list[str] = []
-    tokens = 0
-
-    async def client_loop(client: httpx.AsyncClient, c: int) -> None:
-        nonlocal tokens
-        for r in range(per_client):
-            index = first_index + c * per_client + r
-            resp = await client.post(server.base + "/v1/completions",
-                                     json=request_body(server, index, case, max_tokens, mask_format))
-            if resp.status_code != 200:
-                errors.append(f"HTTP {resp.status_code}: {resp.content[:200]!r}")
-                continue
-            bodies.append(resp.content)
-            tokens += max_tokens  # ignore_eos: exactly max_tokens each; checked against usage below
-
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client, c) for c in range(clients)))
-        wall = time.perf_counter() - start
-    return RunResult(tokens, wall, bodies, errors)
 
 
 def kept_ids(mask: list | str | None, vocab_size: int) -> int:
@@ -140,21 +123,64 @@ def kept_ids(mask: list | str | None, vocab_size: int) -> int:
     return len(mask)
 
 
-def describe(result: RunResult, vocab_size: int) -> dict:
-    """Token count (from usage), kept ids and body bytes per token of a finished run."""
-    usage_tokens = 0
-    ids = 0
-    masks = 0
-    for body in result.bodies:
+async def _send_all(base: str, model: str, case: str, mask_format: str | None, clients: range, per_client: int,
+                    max_tokens: int, first_index: int) -> tuple[list[bytes], list[str], float, float]:
+    bodies: list[bytes] = []
+    errors: list[str] = []
+
+    async def client_loop(client: httpx.AsyncClient, c: int) -> None:
+        for r in range(per_client):
+            index = first_index + c * per_client + r
+            resp = await client.post(base + "/v1/completions",
+                                     json=request_body(model, index, case, max_tokens, mask_format))
+            if resp.status_code != 200:
+                errors.append(f"HTTP {resp.status_code}: {resp.content[:200]!r}")
+                continue
+            bodies.append(resp.content)
+
+    limits = httpx.Limits(max_connections=len(clients) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client, c) for c in clients))
+        end = time.perf_counter()
+    return bodies, errors, start, end
+
+
+def load_share(base: str, model: str, case: str, mask_format: str | None, clients: range, per_client: int,
+               max_tokens: int, first_index: int, vocab_size: int, start_at: float) -> LoadStats:
+    """Run some of the clients to the end, then read their bodies (after the clock stopped)."""
+    time.sleep(max(0.0, start_at - time.perf_counter()))
+    cpu_before = time.process_time()
+    bodies, errors, start, end = asyncio.run(_send_all(base, model, case, mask_format, clients, per_client,
+                                                       max_tokens, first_index))
+    cpu_s = time.process_time() - cpu_before
+    tokens = masks = ids = 0
+    for body in bodies:
         parsed = orjson.loads(body)
-        usage_tokens += parsed["usage"]["completion_tokens"]
+        tokens += parsed["usage"]["completion_tokens"]
         for choice in parsed["choices"]:
             for mask in choice.get("sampling_mask") or []:
                 ids += kept_ids(mask, vocab_size)
                 masks += 1
-    body_bytes = sum(len(b) for b in result.bodies)
-    return {"tokens": usage_tokens, "ids_per_token": ids / masks if masks else None,
-            "bytes_per_token": body_bytes / usage_tokens if usage_tokens else None}
+    return LoadStats(tokens, masks, ids, sum(len(b) for b in bodies), errors, start, end, cpu_s)
+
+
+def run_load(server: Server, case: str, mask_format: str | None, clients: int, per_client: int, max_tokens: int,
+             first_index: int = 0, vocab_size: int = 49152, client_procs: int = 1) -> LoadStats:
+    """`clients` concurrent clients, split over `client_procs` processes that start together, so
+    that reading large bodies in the load generator does not become what is measured."""
+    shares = [range(p, clients, client_procs) for p in range(min(client_procs, clients))]
+    start_at = time.perf_counter() + (0.5 if len(shares) > 1 else 0.0)
+    jobs = [(server.base, server.model, case, mask_format, share, per_client, max_tokens, first_index, vocab_size,
+             start_at) for share in shares]
+    if len(jobs) == 1:
+        parts = [load_share(*jobs[0])]
+    else:
+        with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+            parts = list(pool.map(load_share, *zip(*jobs, strict=True)))
+    return LoadStats(sum(p.tokens for p in parts), sum(p.masks for p in parts), sum(p.ids for p in parts),
+                     sum(p.body_bytes for p in parts), [e for p in parts for e in p.errors],
+                     min(p.start for p in parts), max(p.end for p in parts), sum(p.cpu_s for p in parts))
 
 
 def start_server(name: str, args: list[str], log_dir: str) -> Server:
@@ -170,17 +196,17 @@ def warm_up(server: Server, mask_formats: list[str | None], clients: int, max_to
     graphs, Triton kernels) before the clock runs."""
     for case in CASES:
         for fmt in mask_formats:
-            asyncio.run(run_load(server, case, fmt, clients, 1, max_tokens, first_index=10_000))
+            run_load(server, case, fmt, clients, 1, max_tokens, first_index=10_000)
 
 
-async def rss_check(server: Server, num_requests: int, clients: int) -> dict:
+def rss_check(server: Server, num_requests: int, clients: int) -> dict:
     per_client = num_requests // clients
     before = server_rss_mb(server)
-    result_ids = await run_load(server, "flat", "ids", clients, per_client // 2, 8, first_index=20_000)
-    result_bits = await run_load(server, "flat", "bitmap", clients, per_client - per_client // 2, 8,
-                                 first_index=40_000)
+    result_ids = run_load(server, "flat", "ids", clients, per_client // 2, 8, first_index=20_000)
+    result_bits = run_load(server, "flat", "bitmap", clients, per_client - per_client // 2, 8,
+                           first_index=40_000)
     after = server_rss_mb(server)
-    done = len(result_ids.bodies) + len(result_bits.bodies)
+    done = (result_ids.tokens + result_bits.tokens) // 8
     return {"requests": done, "errors": len(result_ids.errors) + len(result_bits.errors),
             "rss_before_mb": round(before, 1), "rss_after_mb": round(after, 1),
             "rss_growth_mb": round(after - before, 1)}
@@ -217,25 +243,27 @@ def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace
             ) -> dict:
     """One timed run of the load against one server, with what it cost each process."""
     cpu_before = process_cpu_s(server)
-    client_before = time.process_time()
     profiler = start_profile(server, profile_path) if profile_path else None
     try:
-        result = asyncio.run(run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens))
+        result = run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens,
+                          vocab_size=args.vocab_size, client_procs=args.client_procs)
     finally:
         if profiler is not None:
             stop_profile(profiler)
-    client_cpu_s = time.process_time() - client_before
     cpu_after = process_cpu_s(server)
     if result.errors:
         print(f"{case} {fmt}: {len(result.errors)} errors, first: {result.errors[0]}")
-    stats = describe(result, args.vocab_size)
-    return {"case": case, "format": fmt or "off", "tok_s": stats["tokens"] / result.wall_s,
-            "ids_per_token": stats["ids_per_token"], "bytes_per_token": stats["bytes_per_token"],
-            "server_rss_mb": server_rss_mb(server), "wall_s": result.wall_s, "tokens": stats["tokens"],
+    wall = result.end - result.start
+    tokens = result.tokens
+    return {"case": case, "format": fmt or "off", "tok_s": tokens / wall,
+            "ids_per_token": result.ids / result.masks if result.masks else None,
+            "bytes_per_token": result.body_bytes / tokens if tokens else None,
+            "server_rss_mb": server_rss_mb(server), "wall_s": wall, "tokens": tokens,
             "errors": len(result.errors),
-            # The load generator's own CPU: it reads every body, so it must not be the bottleneck.
-            "client_cpu_share": client_cpu_s / result.wall_s,
-            **{f"cpu_ms_per_token_{role}": 1000 * (cpu_after[role] - cpu_before[role]) / max(stats["tokens"], 1)
+            # The load generator's own CPU, per client process: it reads every body, so it must
+            # not be the bottleneck (near 1.0 means it was; raise --client-procs).
+            "client_cpu_share": result.cpu_s / wall / min(args.client_procs, args.clients),
+            **{f"cpu_ms_per_token_{role}": 1000 * (cpu_after[role] - cpu_before[role]) / max(tokens, 1)
                for role in cpu_after}}
 
 
@@ -267,6 +295,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client-procs", type=int, default=1,
+                        help="processes the clients are spread over (large mask bodies need several)")
     parser.add_argument("--rounds", type=int, default=3, help="times each run is repeated, off and on alternating")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--formats", nargs="+", choices=["ids", "bitmap"], default=["ids", "bitmap"])
@@ -309,7 +339,7 @@ def main() -> None:
                     runs.append(run)
                     print({k: round(v, 2) if isinstance(v, float) else v for k, v in run.items()}, flush=True)
         if args.rss_requests:
-            memory = asyncio.run(rss_check(servers["on"], args.rss_requests, args.clients))
+            memory = rss_check(servers["on"], args.rss_requests, args.clients)
             print("memory:", memory, flush=True)
     finally:
         for server in servers.values():
@@ -319,7 +349,8 @@ def main() -> None:
     print_table(rows, ["case", "format", "tok_s", "ratio", "ratio_min", "ratio_max", "ids_per_token",
                        "bytes_per_token", "server_rss_mb", "cpu_ms_per_token_api", "cpu_ms_per_token_engine",
                        "cpu_ms_per_token_worker", "client_cpu_share", "errors"])
-    payload = {"machine": info, "clients": args.clients, "requests_per_client": args.requests_per_client,
+    payload = {"machine": info, "clients": args.clients, "client_procs": args.client_procs,
+               "requests_per_client": args.requests_per_client,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "server_args": args.server_args,
                "cases": CASES, "summary": rows, "runs": runs, "memory": memory}
     path = write_json(args.name, payload)
