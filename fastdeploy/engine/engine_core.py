@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 
 from fastdeploy.common.config import EngineConfig, resolve_dtype
 from fastdeploy.common.limits import EngineLimits
@@ -132,7 +133,13 @@ class EngineCore:
             self._on_worker.discard(seq.seq_id)
             self._freed.append(seq.seq_id)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, emit_early: Callable[[list[RequestDelta]], None] | None = None) -> list[RequestDelta]:
+        """Run one step and return its deltas.
+
+        `emit_early`, where given, receives the previous step's masked deltas as soon as this
+        step is launched, so that the caller ships them (a step's masks can be megabytes) while
+        the worker computes, rather than between this step's end and the next one's launch.
+        """
         plan = self.scheduler.schedule()
         new_sequences = []
         chunks = []
@@ -154,6 +161,9 @@ class EngineCore:
         pending = self.executor.submit(step_input)
         # The last step's masked deltas get their masks while this step runs.
         deltas = self._take_deferred()
+        if emit_early is not None and deltas:
+            emit_early(deltas)
+            deltas = []
         output = pending.result()
         self.scheduler.on_step_done(plan)
         events = output.events

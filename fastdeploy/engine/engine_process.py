@@ -80,6 +80,16 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
     decoder = msgspec.msgpack.Decoder(EngineInput)
     last_sent = 0.0
     last_logged = time.monotonic()
+
+    def send_outputs(deltas: list[RequestDelta]) -> None:
+        nonlocal last_sent
+        blocks = core.block_manager
+        outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, blocks.usage,
+                                core.spec_stats if core.config.speculative is not None else None,
+                                blocks.query_tokens, blocks.hit_tokens)
+        out_sock.send(encoder.encode(outputs))
+        last_sent = time.monotonic()
+
     while not stopping():
         deltas: list[RequestDelta] = []
         # Sequences that only wait for a grammar compile need a poll now and then, not a spin.
@@ -102,23 +112,18 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
         dead_message = None
         if core.has_work():
             try:
-                deltas.extend(core.step())
+                deltas.extend(core.step(emit_early=send_outputs))
             except WorkerError as exc:
                 # The client fails every open request when it reads EngineDead, and marks
                 # itself unhealthy first, so those requests report 503 rather than 500.
                 logger.error("%s", exc)
                 dead_message = str(exc)
-        now = time.monotonic()
-        if deltas or now - last_sent > GAUGE_INTERVAL_S:
-            blocks = core.block_manager
-            outputs = EngineOutputs(deltas, core.num_running, core.num_waiting, blocks.usage,
-                                    core.spec_stats if core.config.speculative is not None else None,
-                                    blocks.query_tokens, blocks.hit_tokens)
-            out_sock.send(encoder.encode(outputs))
-            last_sent = now
+        if deltas or time.monotonic() - last_sent > GAUGE_INTERVAL_S:
+            send_outputs(deltas)
         if dead_message is not None:
             out_sock.send(encoder.encode(EngineDead(dead_message)))
             return
+        now = time.monotonic()
         if core.has_work() and now - last_logged > STATS_LOG_INTERVAL_S:
             _log_stats(core)
             last_logged = now
