@@ -61,6 +61,29 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, shape: tuple) -> None:
     assert _rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("tokens", [1, 64, 600])
+def test_fused_moe_tensor_parallel_shards_sum_to_the_whole(tokens: int, ranks: int) -> None:
+    """What each tensor-parallel rank computes: its share of every expert's intermediate dim
+    (gate/up rows, down columns, as `shard_weight` cuts them), the fused kernel at the shard's
+    shapes; the ranks' outputs, summed as the all-reduce sums them, equal the float64 reference
+    of the whole experts. One GPU runs every rank's share in turn."""
+    from fastdeploy.model_executor.layers.fused_moe import fused_moe
+
+    inter = 192
+    x, w13, w2, weights, ids = _problem(tokens, 128, 8, 512, inter)
+    ref = moe_reference(x, w13, w2, weights, ids)
+    gate, up = w13[:, :inter], w13[:, inter:]
+    share = inter // ranks
+    total = torch.zeros(ref.shape, dtype=torch.float32, device="cuda")
+    for rank in range(ranks):
+        cols = slice(rank * share, (rank + 1) * share)
+        w13_rank = torch.cat([gate[:, cols], up[:, cols]], dim=1)
+        w2_rank = w2[:, :, cols]
+        total += fused_moe(*(t.to("cuda", torch.float32) for t in (x, w13_rank, w2_rank, weights)), ids.cuda())
+    assert _rel_err(total, ref) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (300, 128, 8), (33, 60, 4), (7, 8, 2)])
 def test_fused_topk_matches_route(renormalize: bool, tokens: int, experts: int, top_k: int) -> None:
