@@ -72,14 +72,18 @@ class CompletionOutput:
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.sampling_masks is not None:
-            if self._mask_runs is None:
-                self._mask_runs = []
-            self._mask_runs.append(chunk.sampling_masks.owned())
-            self._mask_lists = None
+            self._keep_masks(chunk.sampling_masks)
             self.sampling_logz = (self.sampling_logz or []) + (chunk.sampling_logz or [])
         if chunk.finish_reason is not None:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
             self.error, self.error_status = chunk.error, chunk.error_status
+
+    def _keep_masks(self, masks: SampledMasks) -> None:
+        """Keep one chunk's masks (a copy: the chunk's are views of a step's frame)."""
+        if self._mask_runs is None:
+            self._mask_runs = []
+        self._mask_runs.append(masks.owned())
+        self._mask_lists = None
 
     @property
     def sampling_masks(self) -> SampledMasks | None:

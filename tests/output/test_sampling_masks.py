@@ -22,7 +22,8 @@ from fastdeploy.common.sampling_masks import (
     logz_values,
     split_runs,
 )
-from fastdeploy.entrypoints.openai.formatting import bitmaps_json
+from fastdeploy.entrypoints.openai.formatting import ServedChoice, bitmaps_json, extra_fields
+from fastdeploy.output.output_processor import OutputChunk
 from tests.bitmaps import bitmap_array, bitmap_lists
 
 MASKS = [[3, 10], None, [12], [0, 1, 2, 49151], None]
@@ -169,3 +170,21 @@ def test_bitmaps_json_is_one_base64_string_per_row(vocab_size: int, with_null: b
     assert [None if text is None else decode_bitmap(text, vocab_size) for text in written] == lists
     assert all(text is None or base64.b64encode(base64.b64decode(text)).decode() == text for text in written)
     assert orjson.loads(orjson.dumps(bitmaps_json(bitmaps.head(0)))) == []
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 151936])
+def test_a_served_choice_encodes_bitmaps_as_they_arrive_into_the_same_json(vocab_size: int):
+    """A non-streaming choice turns each chunk's bitmaps into JSON items on arrival; the finished
+    array equals the one written from the whole run, null rows and empty chunks included."""
+    rng = np.random.default_rng(vocab_size)
+    lists = [sorted(rng.choice(vocab_size, int(rng.integers(1, 300)), replace=False).tolist()) for _ in range(9)]
+    lists[4] = None
+    whole = bitmap_rows(bitmap_array(lists, vocab_size))
+    choice = ServedChoice(0)
+    for lo, hi in [(0, 1), (1, 4), (4, 4), (4, 5), (5, 9)]:  # one token, a run, an empty chunk, a null row
+        run = bitmap_rows(bitmap_array(lists[lo:hi], vocab_size)) if hi > lo else whole.head(0)
+        choice.add(OutputChunk("", list(range(lo, hi)), None, run, [0.5] * (hi - lo), None, None, None, 500, 3))
+    served = orjson.loads(orjson.dumps(extra_fields(choice, False)))
+    assert served["sampling_mask"] == orjson.loads(orjson.dumps(bitmaps_json(whole)))
+    assert [None if t is None else decode_bitmap(t, vocab_size) for t in served["sampling_mask"]] == lists
+    assert served["sampling_logz"] == [0.5] * len(lists)

@@ -18,12 +18,12 @@ from fastdeploy.common.sampling_params import ParameterError, SamplingParams
 from fastdeploy.engine.admission import admit_request
 from fastdeploy.engine.engine_client import EngineClient, EngineDeadError
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
-from fastdeploy.entrypoints.openai.formatting import sse, usage
+from fastdeploy.entrypoints.openai.formatting import ServedChoice, sse, usage
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import GUIDED_FIELDS, CommonRequest
 from fastdeploy.entrypoints.openai.validation import check_context, check_no_external_refs, check_sampling
 from fastdeploy.output.detokenizer import TokenTexts
-from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, RequestOutputState
+from fastdeploy.output.output_processor import OutputChunk, RequestOutputState
 
 DISCONNECT_POLL_S = 0.5
 
@@ -91,9 +91,9 @@ class OpenAIServing:
                 raise bad_request(str(exc), param) from None
         return requests
 
-    async def collect_choices(self, requests: list[EngineRequest]) -> list[CompletionOutput]:
+    async def collect_choices(self, requests: list[EngineRequest]) -> list[ServedChoice]:
         """Run every choice to the end; the first failed choice fails the whole response."""
-        choices = [CompletionOutput(index=i) for i in range(len(requests))]
+        choices = [ServedChoice(i) for i in range(len(requests))]
         async for event in self.run_choices(requests):
             choices[event.index].add(event.chunk)
         for choice in choices:
