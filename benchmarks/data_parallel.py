@@ -11,6 +11,10 @@
    --outstanding requests in flight over 8 replicas.
 2. Throughput: for each N in --replicas, N replicas under --clients concurrent clients of
    --max-tokens greedy tokens each; output tok/s and the ratio to one replica.
+3. Prefix affinity (`--affinity-chats K`, 0 to skip): two replicas under K multi-turn chats run
+   side by side, each turn resending its whole conversation; the router as it is against the
+   same router without affinity (least outstanding tokens alone). Prefix cache hits (tokens,
+   summed over the replicas) and wall time.
 
 Writes benchmarks/results/data_parallel.json and a PNG.
 """
@@ -86,6 +90,54 @@ async def router_overhead(args: argparse.Namespace) -> dict:
             "pick_us": pick_us, "requests": args.requests}
 
 
+def least_load_only(replica_set_type):
+    """The router without prefix affinity: the same choice minus the sticky prompt starts (the
+    samples of one prompt in flight still go together)."""
+
+    class LeastLoadOnly(replica_set_type):
+        def pick(self, request, exclude=frozenset()):
+            self._affinity.clear()
+            return super().pick(request, exclude)
+
+    return LeastLoadOnly
+
+
+async def affinity(args: argparse.Namespace, sticky: bool) -> dict:
+    """K conversations side by side, --affinity-turns turns each: a 96-token system prompt of
+    its own, then per turn a 16-token question and a --max-tokens answer, all resent next turn
+    (the default random model's context is 256 tokens)."""
+    from fastdeploy.common.request import EngineRequest
+    from fastdeploy.common.sampling_params import SamplingParams
+    from fastdeploy.engine.replicas import ReplicaSet
+
+    config = engine_config(args)
+    group = (ReplicaSet if sticky else least_load_only(ReplicaSet))(config, 2, backend=args.backend)
+    await group.start()
+    try:
+        async def chat(c: int) -> None:
+            history = [(c * 37 + i * 11) % 500 + 3 for i in range(96)]
+            for turn in range(args.affinity_turns):
+                history += [(c * 13 + turn * 7 + i) % 500 + 3 for i in range(16)]
+                params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+                request = EngineRequest(f"chat{c}-{turn}-{time.monotonic_ns()}", list(history), params)
+                async for delta in group.generate(request):
+                    if delta.error is not None:
+                        raise RuntimeError(delta.error)
+                    history += delta.token_ids
+
+        start = time.perf_counter()
+        await asyncio.gather(*(chat(c) for c in range(args.affinity_chats)))
+        wall = time.perf_counter() - start
+        await asyncio.sleep(1.5)  # the engines' counters arrive with their next report
+        queries = sum(r.client.prefix_cache_queries for r in group.replicas)
+        hits = sum(r.client.prefix_cache_hits for r in group.replicas)
+    finally:
+        await group.shutdown()
+    return {"router": "affinity" if sticky else "least load only", "chats": args.affinity_chats,
+            "turns": args.affinity_turns, "prompt_tokens": queries, "cache_hit_tokens": hits,
+            "hit_rate": hits / queries if queries else 0.0, "wall_s": wall}
+
+
 async def throughput(args: argparse.Namespace, replicas: int) -> dict:
     from fastdeploy.engine.replicas import ReplicaSet
 
@@ -123,6 +175,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100, help="sequential one-token requests per side")
     ap.add_argument("--outstanding", type=int, default=256, help="requests in flight for the pick timing")
     ap.add_argument("--num-kv-blocks", type=int, default=512)
+    ap.add_argument("--affinity-chats", type=int, default=8, help="conversations of the affinity part (0: skip)")
+    ap.add_argument("--affinity-turns", type=int, default=3)
     ap.add_argument("--name", default="data_parallel")
     args = ap.parse_args()
     if args.model is None:
@@ -137,7 +191,11 @@ def main() -> None:
     for row in rows:
         row["ratio"] = row["tok_s"] / rows[0]["tok_s"]
     print_table(rows, ["replicas", "tokens", "wall_s", "tok_s", "ratio"])
-    path = write_json(args.name, {"machine": info, "args": vars(args), "router": overhead, "throughput": rows})
+    routing = [asyncio.run(affinity(args, sticky)) for sticky in (True, False)] if args.affinity_chats else []
+    if routing:
+        print_table(routing, ["router", "chats", "turns", "prompt_tokens", "cache_hit_tokens", "hit_rate", "wall_s"])
+    path = write_json(args.name, {"machine": info, "args": vars(args), "router": overhead, "throughput": rows,
+                                  "affinity": routing})
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar([str(r["replicas"]) for r in rows], [r["tok_s"] for r in rows], color="#4c72b0")
