@@ -1,0 +1,91 @@
+"""CPU decode through the server: fastdeploy against llama.cpp on the same GGUF, threads and prompts.
+
+    pip install -r requirements-bench.txt        # llama-cpp-python builds llama.cpp (minutes)
+    python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--max-tokens 128] [--requests 8]
+
+One run, three servers on the embedded SmolLM2-135M-Instruct Q4_1 GGUF, started and measured in
+turn (only one is up at a time): llama-cpp-python's server (`--n_threads T`), fastdeploy as
+`make serve` starts it (float32, the token-exact path) and fastdeploy with `--dtype bfloat16`
+(the Q4_1 projections stay 4-bit). fastdeploy's torch threads are set to T too. Each server
+gets a single stream (one client, --requests requests one after another) and 16 concurrent
+clients (16 x --requests requests); streaming chat, greedy, exactly --max-tokens tokens (EOS
+ignored), every request with its own system message (`benchmarks/serving.py`'s load).
+
+Targets (the CPU-speed issue): single stream >= 0.67x llama.cpp (stretch 1.0x), 16 concurrent
+>= 2x llama.cpp's server. Writes benchmarks/results/cpu_vs_llamacpp.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import free_port, machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.serving import Server, bench_server  # noqa: E402
+
+TARGETS = {1: 0.67, 16: 2.0}
+
+
+def servers(gguf: str, eos: int, threads: int) -> list[Server]:
+    llama_port, f32_port, bf16_port = free_port(), free_port(), free_port()
+    fastdeploy = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", gguf, "--max-num-seqs", "16"]
+    ignore_eos = {"ignore_eos": True, "return_token_ids": True}
+    return [
+        # Requests queue behind one lock in llama-cpp-python's server; --interrupt_requests False
+        # lets each finish instead of being cut short by the next.
+        Server("llama.cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                             "--port", str(llama_port), "--n_threads", str(threads), "--n_threads_batch",
+                             str(threads), "--n_ctx", "2048", "--interrupt_requests", "False"],
+               "/v1/models", {"logit_bias": {str(eos): -100.0}}, llama_port),
+        Server("fastdeploy float32", [*fastdeploy, "--port", str(f32_port)], "/health", ignore_eos, f32_port),
+        Server("fastdeploy bf16 + 4-bit", [*fastdeploy, "--port", str(bf16_port), "--dtype", "bfloat16"], "/health",
+               ignore_eos, bf16_port),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=8, help="requests per client")
+    parser.add_argument("--name", default="cpu_vs_llamacpp")
+    args = parser.parse_args()
+
+    from fastdeploy.model_executor.model_loader import embedded_model_path, get_tokenizer
+
+    info = machine_info()
+    print_machine(info)
+    if info["llama_cpp_python"] is None:
+        sys.exit("llama-cpp-python is not installed: pip install -r requirements-bench.txt")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # fastdeploy's torch threads (inherited by its processes)
+    rows: list[dict] = []
+    for server in servers(embedded_model_path(), get_tokenizer(None).eos_token_id, args.threads):
+        for concurrency in (1, 16):
+            level = argparse.Namespace(concurrency=[concurrency], requests_per_level=args.requests * concurrency,
+                                       max_tokens=args.max_tokens, time_per_level=3600.0)
+            rows += bench_server(server, level)
+    base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "llama.cpp"}
+    for row in rows:
+        row["vs_llamacpp"] = row["tok_s"] / base[row["concurrency"]]
+        row["target"] = TARGETS[row["concurrency"]] if row["server"] != "llama.cpp" else None
+    print_table(rows, ["server", "concurrency", "requests", "failed", "tok_s", "vs_llamacpp", "target", "ttft_p50_ms",
+                       "itl_p50_ms"])
+    path = write_json(args.name, {"machine": info, "threads": args.threads, "max_tokens": args.max_tokens,
+                                  "requests_per_client": args.requests, "targets": TARGETS, "results": rows})
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, concurrency in zip(axes, (1, 16), strict=True):
+        mine = [r for r in rows if r["concurrency"] == concurrency]
+        ax.bar([r["server"].replace(" + ", "\n+ ") for r in mine], [r["tok_s"] for r in mine], color="#4c72b0")
+        ax.set_title(f"{concurrency} client{'s' if concurrency > 1 else ''}, output tok/s", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path(args.name), dpi=120)
+    print(f"wrote {path} and {png_path(args.name)}")
+
+
+if __name__ == "__main__":
+    main()
