@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +36,12 @@ from fastdeploy.worker.in_flight_step import InFlightStep, QueuedSampling
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
 from fastdeploy.worker.mtp_step import MTPStep
 from fastdeploy.worker.sequence_state import WorkerSequence
+from fastdeploy.worker.startup_timing import StartupTimes
 from fastdeploy.worker.step_output import StepOutput
 from fastdeploy.worker.tp_startup import PlanChannel, start_tensor_parallel
 from fastdeploy.worker.warmup import warm_up_sampler
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,26 +64,32 @@ class ModelRunner:
         """`rank`, `dist_init_file`: this worker's place in a tensor-parallel group of
         `config.tensor_parallel_size` processes (rank 0 samples and talks to the engine)."""
         self.config = config
-        self.device = start_tensor_parallel(config, rank, dist_init_file)
+        times = StartupTimes()
+        with times.phase("tensor parallel"):
+            self.device = start_tensor_parallel(config, rank, dist_init_file)
         self.dtype = _DTYPES[resolve_dtype(config.dtype, config.device)]
         torch.manual_seed(config.seed)
-        self.model, self.model_config = get_model(
-            config.model, config.load_format, dtype=self.dtype, device=str(self.device), seed=config.seed
-        )
+        with times.phase("weights"):
+            self.model, self.model_config = get_model(
+                config.model, config.load_format, dtype=self.dtype, device=str(self.device), seed=config.seed
+            )
         # This rank's share of the attention heads: what its KV cache holds.
         cache_model_config = local_config(self.model_config, config.tensor_parallel_size)
         self.block_size = config.cache.block_size
-        # Every rank must agree on the pool the engine hands out block ids from.
-        self.num_blocks = all_reduce_min(config.cache.num_blocks or num_kv_blocks(
-            self.model, cache_model_config, config, self.dtype, self.device
-        ))
-        # One spare block past the engine's pool: padded rows of a captured decode batch write there.
-        self.kv_caches = allocate_kv_caches(cache_model_config, self.num_blocks + 1, self.block_size, self.dtype,
-                                            self.device)
+        with times.phase("KV cache"):
+            # Every rank must agree on the pool the engine hands out block ids from.
+            self.num_blocks = all_reduce_min(config.cache.num_blocks or num_kv_blocks(
+                self.model, cache_model_config, config, self.dtype, self.device
+            ))
+            # One spare block past the engine's pool: padded rows of a captured decode batch write there.
+            self.kv_caches = allocate_kv_caches(cache_model_config, self.num_blocks + 1, self.block_size,
+                                                self.dtype, self.device)
         shape = DecodeShape.of(config, self.num_blocks)
         use_graphs = uses_graphs(config, self.device)
-        self.cuda_graphs: CudaGraphRunner | None = \
-            capture_decode_graphs(self.model, self.kv_caches, shape) if use_graphs else None
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if use_graphs:
+            with times.phase("CUDA graphs"):
+                self.cuda_graphs = capture_decode_graphs(self.model, self.kv_caches, shape)
         self.sampler = Sampler(self.device)
         # Chosen once: the packer for the device the sampler's output lives on (rank 0 samples).
         self.packer: StepPacker | None = choose_packer(self.device) if rank == 0 else None
@@ -89,18 +99,22 @@ class ModelRunner:
             if spec is not None and spec.method == "ngram" else None
         self.mtp: MTPStep | None = None
         if spec is not None and spec.method == "mtp":
-            self.mtp = MTPStep(config, self.model, self.model_config, self.dtype, self.device, self.num_blocks,
-                               shape, use_graphs)
+            with times.phase("MTP head"):
+                self.mtp = MTPStep(config, self.model, self.model_config, self.dtype, self.device, self.num_blocks,
+                                   shape, use_graphs)
         self.sequences: dict[int, WorkerSequence] = {}
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend != "off":
-            self.guided = GuidedRuntime(tokenizer_path(config.model, config.tokenizer), self.model_config.vocab_size,
-                                        list(self.model_config.eos_token_ids), config.grammar_compile_timeout_s,
-                                        config.grammar_cache_mb * 1024 * 1024, config.reasoning_parser,
-                                        backend=config.guided_decoding_backend)
+            with times.phase("grammar runtime"):
+                self.guided = GuidedRuntime(tokenizer_path(config.model, config.tokenizer),
+                                            self.model_config.vocab_size, list(self.model_config.eos_token_ids),
+                                            config.grammar_compile_timeout_s, config.grammar_cache_mb * 1024 * 1024,
+                                            config.reasoning_parser, backend=config.guided_decoding_backend)
         if rank == 0:  # the rank that samples
-            warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
-                            self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
+            with times.phase("sampler warm-up"):
+                warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
+                                self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
+        logger.info("rank %d: %s", rank, times.summary())
 
     @property
     def info(self) -> WorkerInfo:
