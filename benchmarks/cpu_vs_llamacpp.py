@@ -67,12 +67,16 @@ def main() -> None:
             level = argparse.Namespace(concurrency=[concurrency], requests_per_level=args.requests * concurrency,
                                        max_tokens=args.max_tokens, time_per_level=3600.0)
             rows += bench_server(server, level)
-    base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "llama.cpp"}
+    base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "llama.cpp" and r["tok_s"]}
     for row in rows:
-        row["vs_llamacpp"] = row["tok_s"] / base[row["concurrency"]]
+        # No ratio where llama.cpp served nothing (its failures are in the row's "errors").
+        row["vs_llamacpp"] = row["tok_s"] / base[row["concurrency"]] if row["concurrency"] in base else None
         row["target"] = TARGETS[row["concurrency"]] if row["server"] != "llama.cpp" else None
     print_table(rows, ["server", "concurrency", "requests", "failed", "tok_s", "vs_llamacpp", "target", "ttft_p50_ms",
                        "itl_p50_ms"])
+    for row in rows:
+        if row["errors"]:
+            print(f"{row['server']} c={row['concurrency']} errors: {row['errors']}")
     path = write_json(args.name, {"machine": info, "threads": args.threads, "max_tokens": args.max_tokens,
                                   "requests_per_client": args.requests, "targets": TARGETS, "results": rows})
     plt = pyplot()
