@@ -8,8 +8,13 @@ turn (only one is up at a time): llama-cpp-python's server (`--n_threads T`), fa
 `make serve` starts it (float32, the token-exact path) and fastdeploy with `--dtype bfloat16`
 (the Q4_1 projections stay 4-bit). fastdeploy's torch threads are set to T too. Each server
 gets a single stream (one client, --requests requests one after another) and 16 concurrent
-clients (16 x --requests requests); streaming chat, greedy, exactly --max-tokens tokens (EOS
-ignored), every request with its own system message (`benchmarks/serving.py`'s load).
+clients (--requests each); non-streaming chat, greedy, exactly --max-tokens tokens (EOS
+ignored), every request with its own system message. Output tok/s = completion tokens (from
+each response's usage) / wall time of the level. Non-streaming because llama-cpp-python's
+server's streaming path adds its own per-token cost, and this compares the engines, not their
+SSE paths; `benchmarks/serving.py` has the streaming comparison. llama.cpp's server runs with
+the caller's OMP_WAIT_POLICY, not the PASSIVE that importing fastdeploy sets (with it, its
+OpenMP threads made single-stream decode 3.5x slower here).
 
 Targets (the CPU-speed issue): single stream >= 0.67x llama.cpp (stretch 1.0x), 16 concurrent
 >= 2x llama.cpp's server. Writes benchmarks/results/cpu_vs_llamacpp.json and a PNG.
@@ -18,13 +23,26 @@ Targets (the CPU-speed issue): single stream >= 0.67x llama.cpp (stretch 1.0x), 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
+import time
+
+import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import free_port, machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
-from benchmarks.serving import Server, bench_server  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    free_port,
+    machine_info,
+    png_path,
+    print_machine,
+    print_table,
+    pyplot,
+    write_json,
+)
+from benchmarks.serving import TOPICS, Server, llamacpp_env  # noqa: E402
 
 TARGETS = {1: 0.67, 16: 2.0}
 
@@ -39,11 +57,53 @@ def servers(gguf: str, eos: int, threads: int) -> list[Server]:
         Server("llama.cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
                              "--port", str(llama_port), "--n_threads", str(threads), "--n_threads_batch",
                              str(threads), "--n_ctx", "2048", "--interrupt_requests", "False"],
-               "/v1/models", {"logit_bias": {str(eos): -100.0}}, llama_port),
+               "/v1/models", {"logit_bias": {str(eos): -100.0}}, llama_port, env=llamacpp_env()),
         Server("fastdeploy float32", [*fastdeploy, "--port", str(f32_port)], "/health", ignore_eos, f32_port),
         Server("fastdeploy bf16 + 4-bit", [*fastdeploy, "--port", str(bf16_port), "--dtype", "bfloat16"], "/health",
                ignore_eos, bf16_port),
     ]
+
+
+async def _level(server: Server, clients: int, per_client: int, max_tokens: int) -> dict:
+    tokens = 0
+    errors: list[str] = []
+
+    async def client_loop(client: httpx.AsyncClient, c: int) -> None:
+        nonlocal tokens
+        for r in range(per_client):
+            index = c * per_client + r
+            body = {"model": server.model, "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "system", "content": f"Request {index}. You are a storyteller."},
+                                 {"role": "user", "content": f"Write a short story about {TOPICS[index % 10]}."}],
+                    **server.extra_body}
+            resp = await client.post(server.base + "/v1/chat/completions", json=body)
+            if resp.status_code != 200:
+                errors.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                continue
+            tokens += resp.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=clients + 4)) \
+            as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client, c) for c in range(clients)))
+        wall = time.perf_counter() - start
+    return {"server": server.name, "concurrency": clients, "requests": clients * per_client, "failed": len(errors),
+            "tokens": tokens, "seconds": wall, "tok_s": tokens / wall, "errors": errors[:3]}
+
+
+def measure(server: Server, args: argparse.Namespace) -> list[dict]:
+    log_path = os.path.join(RESULTS_DIR, f"{args.name}_{server.name.replace(' ', '_')}.log")
+    server.start(log_path)
+    try:
+        asyncio.run(_level(server, 1, 1, 16))  # warm-up
+        rows = []
+        for clients in (1, 16):
+            row = asyncio.run(_level(server, clients, args.requests, args.max_tokens))
+            print(f"  {server.name} c={clients}: {row['tok_s']:.1f} tok/s ({row['failed']} failed)", flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -63,17 +123,14 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # fastdeploy's torch threads (inherited by its processes)
     rows: list[dict] = []
     for server in servers(embedded_model_path(), get_tokenizer(None).eos_token_id, args.threads):
-        for concurrency in (1, 16):
-            level = argparse.Namespace(concurrency=[concurrency], requests_per_level=args.requests * concurrency,
-                                       max_tokens=args.max_tokens, time_per_level=3600.0)
-            rows += bench_server(server, level)
+        rows += measure(server, args)
     base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "llama.cpp" and r["tok_s"]}
     for row in rows:
         # No ratio where llama.cpp served nothing (its failures are in the row's "errors").
         row["vs_llamacpp"] = row["tok_s"] / base[row["concurrency"]] if row["concurrency"] in base else None
         row["target"] = TARGETS[row["concurrency"]] if row["server"] != "llama.cpp" else None
-    print_table(rows, ["server", "concurrency", "requests", "failed", "tok_s", "vs_llamacpp", "target", "ttft_p50_ms",
-                       "itl_p50_ms"])
+    print_table(rows, ["server", "concurrency", "requests", "failed", "tokens", "seconds", "tok_s", "vs_llamacpp",
+                       "target"])
     for row in rows:
         if row["errors"]:
             print(f"{row['server']} c={row['concurrency']} errors: {row['errors']}")

@@ -34,6 +34,20 @@ from dataclasses import dataclass, field
 
 import httpx
 
+# Importing fastdeploy sets OMP_WAIT_POLICY=PASSIVE (its own processes must not spin on cores
+# other processes need); llama.cpp's OpenMP threads pass many barriers per token and run several
+# times slower with it, so llama.cpp's server gets the environment the user started with.
+_USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+
+
+def llamacpp_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if _USER_OMP_WAIT_POLICY is not None:
+        env["OMP_WAIT_POLICY"] = _USER_OMP_WAIT_POLICY
+    return env
+
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (  # noqa: E402
@@ -60,6 +74,7 @@ class Server:
     port: int
     proc: subprocess.Popen | None = None
     model: str = ""
+    env: dict[str, str] | None = None  # the server's environment; None: this process's
 
     @property
     def base(self) -> str:
@@ -68,7 +83,8 @@ class Server:
     def start(self, log_path: str, timeout_s: float = 300.0) -> None:
         log = open(log_path, "w")
         # Own session: on a hung shutdown we can kill exactly this server's process group.
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=self.env)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -270,7 +286,8 @@ def main() -> None:
             [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
              "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
              "--interrupt_requests", "False"],
-            "/v1/models", {"logit_bias": {str(eos): -100.0}}, port))  # its way of ignoring EOS
+            "/v1/models", {"logit_bias": {str(eos): -100.0}}, port,  # its way of ignoring EOS
+            env=llamacpp_env()))
 
     rows: list[dict] = []
     for server in servers:
