@@ -188,3 +188,6 @@ def test_a_served_choice_encodes_bitmaps_as_they_arrive_into_the_same_json(vocab
     assert served["sampling_mask"] == orjson.loads(orjson.dumps(bitmaps_json(whole)))
     assert [None if t is None else decode_bitmap(t, vocab_size) for t in served["sampling_mask"]] == lists
     assert served["sampling_logz"] == [0.5] * len(lists)
+    empty = ServedChoice(0)
+    empty.add(OutputChunk("", [], None, whole.head(0), [], None, None, None, 500, 3))
+    assert orjson.loads(orjson.dumps(extra_fields(empty, False)))["sampling_mask"] == []

@@ -64,10 +64,12 @@ class ServedChoice(CompletionOutput):
 
     def __init__(self, index: int) -> None:
         super().__init__(index=index)
+        self.bitmaps = False  # the choice's masks are bitmaps (then kept only as `bitmap_items`)
         self.bitmap_items: list[bytes] = []
 
     def _keep_masks(self, masks: SampledMasks) -> None:
         if isinstance(masks, SamplingBitmaps):
+            self.bitmaps = True
             if len(masks):
                 self.bitmap_items.append(bitmap_items(masks))
         else:
@@ -77,7 +79,7 @@ class ServedChoice(CompletionOutput):
 def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_ids: bool) -> dict:
     """The fields OpenAI does not have: sampling masks and token ids."""
     extra: dict[str, Any] = {}
-    if isinstance(chunk_or_choice, ServedChoice) and chunk_or_choice.bitmap_items:
+    if isinstance(chunk_or_choice, ServedChoice) and chunk_or_choice.bitmaps:
         extra["sampling_mask"] = orjson.Fragment(b"[" + b",".join(chunk_or_choice.bitmap_items) + b"]")
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     elif (masks := chunk_or_choice.sampling_masks) is not None:
