@@ -12,6 +12,7 @@ import zmq
 
 from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.ipc import endpoint, process_alive, socket
+from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.request import (
     AbortRequests,
     AddRequest,
@@ -50,6 +51,7 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int, in_address: 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API server, which stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    logger.info("engine process up %.1f s after launch (imports)", seconds_since_launch())
     ctx = zmq.Context()
     in_sock = socket(ctx, zmq.PULL, in_address or endpoint(ipc_dir, "engine_in"), bind=True)
     out_sock = socket(ctx, zmq.PUSH, out_address or endpoint(ipc_dir, "engine_out"), bind=True)

@@ -17,6 +17,7 @@ import zmq
 
 from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
+from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.common.step_input import StepInput
 from fastdeploy.worker.model_runner import ModelRunner
@@ -74,6 +75,7 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
     """Entry point of the worker process (spawned by the engine); tensor-parallel rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when we stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    logger.info("worker process up %.1f s after launch (imports)", seconds_since_launch())
     ctx = zmq.Context()
     sock = socket(ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=False)
     try:

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from fastdeploy.common.errors import ParameterError
+from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_client import AsyncEngineClient, EngineClient
@@ -82,7 +83,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         state["chat"] = OpenAIServingChat(client, tokenizer, names, metrics)
         state["completion"] = OpenAIServingCompletion(client, tokenizer, names, metrics)
         settle_collector("api server")
-        logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+        logger.info("serving %s on http://%s:%d (%.1f s after launch)", names[0], args.host, args.port,
+                    seconds_since_launch())
         try:
             yield
         finally:
