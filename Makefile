@@ -35,8 +35,14 @@ lint: install
 test: lint
 	$(PY) -m pytest
 
+# llama.cpp's AMX matmul crashes while loading a model on AMX CPUs (llama.cpp issue 20824):
+# there llama-cpp-python is built for AVX-512 with AMX off (no pip cache: a cached wheel may be the other build).
+LLAMA_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
 bench: install
-	$(PY) -m pip install -q -r requirements-bench.txt
+	if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then export CMAKE_ARGS="$(LLAMA_NO_AMX)"; fi; \
+	$(PY) -m pip install -q --no-cache-dir -r requirements-bench.txt
 	$(PY) benchmarks/offline_throughput.py
 
 clean:
