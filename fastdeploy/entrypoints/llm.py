@@ -19,6 +19,9 @@ from fastdeploy.model_executor.model_loader import get_tokenizer
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import CompletionOutput, RequestOutputState
 
+# One prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
+Prompt = str | list[int] | dict[str, Any]
+
 
 @dataclass
 class RequestOutput:
@@ -48,18 +51,40 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: Prompt | list[int] | Sequence[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch = [cast(str | list[int], prompts)]
+        """`prompts`: one prompt or a list of them; a prompt is a string, a list of token ids,
+        or a dict `{"prompt": str}` / `{"prompt_token_ids": [int, ...]}` as vLLM takes them."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            batch = [cast(Prompt, prompts)]
         else:
-            batch = cast(list[str | list[int]], prompts)
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-                       for p in batch]
-        texts = [p if isinstance(p, str) else None for p in batch]
+            batch = list(cast(Sequence[Prompt], prompts))
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
+        for i, prompt in enumerate(batch):
+            text, tokens = self._prompt(prompt, i)
+            texts.append(text)
+            token_lists.append(tokens)
         return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def _prompt(self, prompt: object, index: int) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt; anything else is a TypeError that says what is taken."""
+        if isinstance(prompt, dict):
+            if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+                prompt = prompt["prompt"]
+            elif set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise TypeError(f"prompt {index}: a dict prompt has exactly one key, 'prompt' (a string) or "
+                                f"'prompt_token_ids' (a list of ints); got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"prompt {index}: expected a string, a list of token ids or a dict with 'prompt' or "
+                        f"'prompt_token_ids'; got {type(prompt).__name__}")
 
     def chat(
         self,

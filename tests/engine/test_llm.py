@@ -84,3 +84,21 @@ def test_prompt_longer_than_the_context_is_refused():
         small.generate("word " * 40, SamplingParams(max_tokens=4))
     assert info.value.param == "prompt" and "context" in str(info.value)
     assert not small.engine.has_work()
+
+
+def test_prompts_as_text_token_ids_and_vllm_dicts_give_the_same_answer(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    text = "Write a short note about owls."
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    outs = llm.generate([text, ids, {"prompt": text}, {"prompt_token_ids": ids}], params)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.prompt for o in outs] == [text, None, text, None]
+    assert llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt", [{"prompt_ids": [1, 2]}, {"prompt": "a", "prompt_token_ids": [1]}, {"prompt": 5},
+                                    [1, "2"], [True, 2], 3.5])
+def test_malformed_prompts_are_refused_with_what_is_taken(llm, prompt):
+    with pytest.raises(TypeError, match="prompt 0"):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_work()
