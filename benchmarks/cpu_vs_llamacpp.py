@@ -10,11 +10,10 @@ turn (only one is up at a time): llama-cpp-python's server (`--n_threads T`), fa
 gets a single stream (one client, --requests requests one after another) and 16 concurrent
 clients (--requests each); non-streaming chat, greedy, exactly --max-tokens tokens (EOS
 ignored), every request with its own system message. Output tok/s = completion tokens (from
-each response's usage) / wall time of the level. Non-streaming because llama-cpp-python's
-server's streaming path adds its own per-token cost, and this compares the engines, not their
-SSE paths; `benchmarks/serving.py` has the streaming comparison. llama.cpp's server runs with
-the caller's OMP_WAIT_POLICY, not the PASSIVE that importing fastdeploy sets (with it, its
-OpenMP threads made single-stream decode 3.5x slower here).
+each response's usage) / wall time of the level. Non-streaming, as an RL rollout asks;
+`benchmarks/serving.py` has the streaming comparison. llama.cpp's server runs with the caller's
+OMP_WAIT_POLICY, not the PASSIVE that importing fastdeploy sets (with it, its single stream ran
+at 25-26 tok/s here, against 38-94 tok/s without).
 
 Targets (the CPU-speed issue): single stream >= 0.67x llama.cpp (stretch 1.0x), 16 concurrent
 >= 2x llama.cpp's server. Writes benchmarks/results/cpu_vs_llamacpp.json and a PNG.
@@ -42,7 +41,7 @@ from benchmarks.common import (  # noqa: E402
     pyplot,
     write_json,
 )
-from benchmarks.serving import TOPICS, Server, llamacpp_env  # noqa: E402
+from benchmarks.serving import TOPICS, Server, llamacpp_server  # noqa: E402
 
 TARGETS = {1: 0.67, 16: 2.0}
 
@@ -52,12 +51,7 @@ def servers(gguf: str, eos: int, threads: int) -> list[Server]:
     fastdeploy = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", gguf, "--max-num-seqs", "16"]
     ignore_eos = {"ignore_eos": True, "return_token_ids": True}
     return [
-        # Requests queue behind one lock in llama-cpp-python's server; --interrupt_requests False
-        # lets each finish instead of being cut short by the next.
-        Server("llama.cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-                             "--port", str(llama_port), "--n_threads", str(threads), "--n_threads_batch",
-                             str(threads), "--n_ctx", "2048", "--interrupt_requests", "False"],
-               "/v1/models", {"logit_bias": {str(eos): -100.0}}, llama_port, env=llamacpp_env()),
+        llamacpp_server(gguf, eos, threads, llama_port),
         Server("fastdeploy float32", [*fastdeploy, "--port", str(f32_port)], "/health", ignore_eos, f32_port),
         Server("fastdeploy bf16 + 4-bit", [*fastdeploy, "--port", str(bf16_port), "--dtype", "bfloat16"], "/health",
                ignore_eos, bf16_port),

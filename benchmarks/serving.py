@@ -48,6 +48,7 @@ def llamacpp_env() -> dict[str, str]:
     return env
 
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (  # noqa: E402
@@ -107,6 +108,18 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+def llamacpp_server(gguf: str, eos: int, threads: int, port: int) -> Server:
+    """llama-cpp-python's server on `gguf` with `threads` threads, EOS ignored through logit_bias.
+
+    It has no parallel-sequence option: one global lock serialises requests, so concurrent
+    clients queue. By default (--interrupt_requests True) a waiting request makes the running
+    one stop early; turned off so every request completes. n_ctx 2048 matches fastdeploy's
+    --max-model-len."""
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+           "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
+           "--interrupt_requests", "False"]
+    return Server("llama.cpp", cmd, "/v1/models", {"logit_bias": {str(eos): -100.0}}, port, env=llamacpp_env())
 
 
 @dataclass
@@ -276,18 +289,7 @@ def main() -> None:
     elif info["llama_cpp_python"] is None:
         unavailable["llama.cpp"] = "llama-cpp-python is not installed"
     else:
-        port = free_port()
-        # llama-cpp-python's server has no parallel-sequence option: one global lock serializes
-        # requests, so concurrent clients queue. By default (--interrupt_requests True) a waiting
-        # request makes the streaming one stop early; turned off so every request completes.
-        # n_ctx 2048 matches fastdeploy's --max-model-len.
-        servers.append(Server(
-            "llama.cpp",
-            [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-             "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-             "--interrupt_requests", "False"],
-            "/v1/models", {"logit_bias": {str(eos): -100.0}}, port,  # its way of ignoring EOS
-            env=llamacpp_env()))
+        servers.append(llamacpp_server(gguf, eos, args.threads, free_port()))
 
     rows: list[dict] = []
     for server in servers:
