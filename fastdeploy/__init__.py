@@ -1,6 +1,9 @@
 """fastdeploy: an OpenAI-compatible LLM serving engine."""
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any
 
 # libgomp busy-waits between parallel regions by default; when any other process holds
 # a core, PyTorch's CPU kernels then stall for milliseconds per op (measured on a loaded
@@ -9,6 +12,20 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fastdeploy.common.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy.entrypoints.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
+
+if TYPE_CHECKING:
+    from fastdeploy.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+_OFFLINE = ("LLM", "RequestOutput", "CompletionOutput")
+
+
+def __getattr__(name: str) -> Any:
+    # The offline API loads torch and the model code on first use, not on `import fastdeploy`:
+    # every process of the server imports this package, and the API server needs none of it.
+    if name in _OFFLINE:
+        from fastdeploy.entrypoints import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'fastdeploy' has no attribute {name!r}")

@@ -31,7 +31,7 @@ from fastdeploy.common.request import (
     RequestDelta,
 )
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
-from fastdeploy.engine.engine_process import run_engine
+from fastdeploy.engine.engine_launch import run_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class LocalEngine:
         self.in_address = endpoint(self.ipc_dir, "engine_in")
         self.out_address = endpoint(self.ipc_dir, "engine_out")
         spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_engine, args=(config, self.ipc_dir, os.getpid()),
+        self.process = spawn.Process(target=run_engine_process, args=(config, self.ipc_dir, os.getpid()),
                                      name="fastdeploy-engine")
         with cuda_visible_devices(visible_devices):
             self.process.start()

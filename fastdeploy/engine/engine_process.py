@@ -27,6 +27,7 @@ from fastdeploy.common.sampling_params import ParameterError
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import WorkerError, WorkerProcessExecutor
+from fastdeploy.worker.launch import WorkerProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,11 @@ STATS_LOG_INTERVAL_S = 10.0  # the engine's stats line while it has work
 
 
 def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int, in_address: str | None = None,
-               out_address: str | None = None) -> None:
-    """Entry point of the engine process (spawned by the API server, or by a Ray actor that hosts
-    a data-parallel replica). Its request and output sockets bind `in_address` / `out_address`,
-    by default ipc endpoints in `ipc_dir`, where its workers' sockets always are. It exits when
+               out_address: str | None = None, workers: WorkerProcesses | None = None) -> None:
+    """The engine process's work (entered through `engine_launch.run_engine_process`, spawned by
+    the API server or by a Ray actor that hosts a data-parallel replica). Its request and output
+    sockets bind `in_address` / `out_address`, by default ipc endpoints in `ipc_dir`, where its
+    workers' sockets always are. `workers`: its worker processes, already started. It exits when
     the process `client_pid` does."""
     stopping = False
 
@@ -59,7 +61,7 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int, in_address: 
     executor = None
     try:
         try:
-            executor = WorkerProcessExecutor(config, ipc_dir)
+            executor = WorkerProcessExecutor(config, ipc_dir, workers=workers)
             core = EngineCore(config, executor)
         except Exception:
             out_sock.send(encoder.encode(EngineDead(traceback.format_exc())))

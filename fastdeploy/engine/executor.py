@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import shutil
 import tempfile
 from typing import Protocol
@@ -15,9 +13,10 @@ from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, socket
 from fastdeploy.common.step_input import StepInput, WorkerEvents
 from fastdeploy.worker.in_flight_step import InFlightStep
+from fastdeploy.worker.launch import WorkerProcesses, spawn_followers, start_workers, tp_init_file
 from fastdeploy.worker.model_runner import ModelRunner, WorkerInfo
 from fastdeploy.worker.step_output import StepOutput, decode_mask_bits
-from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP, run_worker, spawn_followers, tp_init_file
+from fastdeploy.worker.worker_process import FRAME, INFO, SHUTDOWN, STEP
 
 
 class PendingStep(Protocol):
@@ -97,17 +96,16 @@ class WorkerProcessExecutor:
     """Serving: the model runner lives in a worker process reached over a ZMQ PAIR socket."""
 
     def __init__(self, config: EngineConfig, ipc_dir: str, startup_timeout_s: float = 600.0,
-                 step_timeout_s: float = 600.0) -> None:
+                 step_timeout_s: float = 600.0, workers: WorkerProcesses | None = None) -> None:
+        """`workers`: the worker processes when the caller started them already (they connect
+        to the socket bound here whenever it appears); None starts them now."""
         self._encoder = msgspec.msgpack.Encoder()
         self._events_decoder = msgspec.msgpack.Decoder(WorkerEvents)
         self.step_timeout_s = step_timeout_s
         self.ctx = zmq.Context()
         self.sock = socket(self.ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=True)
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_worker, args=(config, ipc_dir, os.getpid()), daemon=True,
-                                     name="fastdeploy-worker")
-        self.process.start()
-        self.followers = spawn_followers(config, ipc_dir)
+        workers = workers or start_workers(config, ipc_dir)
+        self.process, self.followers = workers.rank0, workers.followers
         kind, payload = self._recv(startup_timeout_s)
         if kind != INFO:
             raise WorkerError(f"worker failed to start:\n{payload.decode()}")

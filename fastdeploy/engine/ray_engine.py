@@ -21,7 +21,7 @@ from typing import Any
 
 from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.ipc import make_ipc_dir
-from fastdeploy.engine.engine_process import run_engine
+from fastdeploy.engine.engine_launch import run_engine_process
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -57,7 +57,8 @@ class EngineHost:
         self.addresses = tuple(f"tcp://{host}:{_free_port()}" for _ in range(2))
         spawn = multiprocessing.get_context("spawn")
         # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs; the engine and workers inherit it.
-        self.process = spawn.Process(target=run_engine, args=(config, self.ipc_dir, os.getpid(), *self.addresses),
+        self.process = spawn.Process(target=run_engine_process,
+                                     args=(config, self.ipc_dir, os.getpid(), *self.addresses),
                                      name="fastdeploy-engine")
         self.process.start()
 

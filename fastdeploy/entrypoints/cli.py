@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from fastdeploy.entrypoints.openai.api_server import main as serve_main
-
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
@@ -15,6 +13,11 @@ def main() -> None:
     if command != "serve":
         print(f"fastdeploy: unknown command {command!r}; try 'fastdeploy serve --help'", file=sys.stderr)
         sys.exit(2)
+    # Imported here, not at the top: the engine and worker processes are spawned, and a spawned
+    # child imports the parent's main module again, this one included; the HTTP stack is the
+    # API server's alone.
+    from fastdeploy.entrypoints.openai.api_server import main as serve_main
+
     serve_main(rest)
 
 

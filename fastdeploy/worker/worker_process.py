@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.process
 import os
 import signal
 import threading
@@ -20,6 +18,7 @@ from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, s
 from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.common.step_input import StepInput
+from fastdeploy.worker.launch import tp_init_file
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_output import encode_mask_bits
 
@@ -31,24 +30,6 @@ FRAME = b"F"
 ERROR = b"E"
 STEP = b"S"
 SHUTDOWN = b"Q"
-
-
-def tp_init_file(directory: str) -> str:
-    """The file the tensor-parallel ranks rendezvous on (fresh per engine: in its private directory)."""
-    return os.path.join(directory, "tp_init")
-
-
-def spawn_followers(config: EngineConfig, directory: str) -> list[multiprocessing.process.BaseProcess]:
-    """Start tensor-parallel ranks 1..N-1 as children of the caller (rank 0 is the caller itself, or
-    its worker process: a daemonic worker may not have children of its own)."""
-    spawn = multiprocessing.get_context("spawn")
-    followers: list[multiprocessing.process.BaseProcess] = []
-    for rank in range(1, config.tensor_parallel_size):
-        process = spawn.Process(target=run_follower, args=(config, directory, rank, os.getpid()), daemon=True,
-                                name=f"fastdeploy-worker-tp{rank}")
-        process.start()
-        followers.append(process)
-    return followers
 
 
 def _exit_when_gone(pid: int) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hmac
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,7 +31,9 @@ from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from fastdeploy.entrypoints.openai.request_limits import TransportLimits
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from fastdeploy.model_executor.model_loader import get_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -66,6 +70,14 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]]
 
 
+def _load_tokenizer(model: str | None, tokenizer: str | None) -> PreTrainedTokenizerBase:
+    # Imported on first use: the model loader brings torch and transformers, which this process
+    # loads while the engine process starts rather than before it.
+    from fastdeploy.model_executor.model_loader import get_tokenizer
+
+    return get_tokenizer(model, tokenizer)
+
+
 def build_app(args: argparse.Namespace) -> FastAPI:
     engine_args = EngineArgs.from_cli_args(args)
     transport_limits = TransportLimits.from_cli_args(args)
@@ -78,8 +90,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tokenizer = get_tokenizer(args.model, args.tokenizer)
-        await client.start()
+        # The tokenizer loads while the engine starts: neither waits for the other.
+        tokenizer_load = asyncio.create_task(asyncio.to_thread(_load_tokenizer, args.model, args.tokenizer))
+        try:
+            await client.start()
+        finally:
+            tokenizer = await tokenizer_load
         state["chat"] = OpenAIServingChat(client, tokenizer, names, metrics)
         state["completion"] = OpenAIServingCompletion(client, tokenizer, names, metrics)
         settle_collector("api server")
