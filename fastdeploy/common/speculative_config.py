@@ -19,6 +19,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # MTP: a directory with the draft module's `config.json` and `model.safetensors`;
     # None takes the head shipped for the embedded model.
     model: str | None = None
+    # Per step, cap the drafts at what measured steps say pays at the current batch size
+    # (scheduler/draft_policy.py); false: every decoding sequence gets num_speculative_tokens.
+    adaptive: bool = True
 
 
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

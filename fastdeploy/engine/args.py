@@ -150,7 +150,8 @@ class EngineArgs:
                             help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": '
                                  '4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "mtp", '
                                  '"num_speculative_tokens": 2}\' (MTP head: "model": DIR; default: the head shipped '
-                                 'for the embedded model)')
+                                 'for the embedded model; "adaptive": false keeps every draft in every step '
+                                 'instead of capping them at what measured steps say pays)')
         return parser
 
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 from fastdeploy.common.config import EngineConfig, resolve_dtype
@@ -25,8 +26,9 @@ from fastdeploy.engine.admission import admit_request
 from fastdeploy.engine.executor import Executor
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
+from fastdeploy.scheduler.draft_policy import DraftPolicy
 from fastdeploy.scheduler.prefix_hash import root_hash
-from fastdeploy.scheduler.scheduler import Scheduler
+from fastdeploy.scheduler.scheduler import ScheduledChunk, Scheduler
 from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.worker.step_output import StepOutput
 
@@ -62,6 +64,7 @@ class EngineCore:
                                                           if spec and spec.method == "mtp" else 0),
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
+        self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
@@ -140,7 +143,10 @@ class EngineCore:
         step is launched, so that the caller ships them (a step's masks can be megabytes) while
         the worker computes, rather than between this step's end and the next one's launch.
         """
-        plan = self.scheduler.schedule()
+        started = time.perf_counter()
+        num_rows = len(self.scheduler.running)
+        draft_cap = self.draft_policy.cap(num_rows) if self.draft_policy is not None else None
+        plan = self.scheduler.schedule(draft_cap)
         new_sequences = []
         chunks = []
         for chunk in plan.chunks:
@@ -171,6 +177,9 @@ class EngineCore:
         terminated = frozenset(events.grammar_terminated)
         self.spec_stats.add(events)
         applied = self.token_processor.apply(output.frame, self.sequences, terminated, output.mask_bits)
+        if self.draft_policy is not None and draft_cap is not None and _pure_decode(plan.chunks, num_rows):
+            self.draft_policy.observe(num_rows, draft_cap, sum(len(delta.token_ids) for _, delta in applied.results),
+                                      time.perf_counter() - started)
         for seq, delta in applied.results:
             if delta.finish_reason is not None:
                 self._release(seq)
@@ -219,3 +228,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _pure_decode(chunks: list[ScheduledChunk], num_rows: int) -> bool:
+    """A step that only decoded the sequences running before it: its time measures a draft cap
+    (a prefill chunk's time would not)."""
+    return len(chunks) == num_rows and all(c.num_tokens == 1 and c.samples for c in chunks)

@@ -79,8 +79,11 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> SchedulerStep:
+    def schedule(self, max_drafts: int | None = None) -> SchedulerStep:
+        """The next step's chunks. `max_drafts`: at most this many draft tokens per decoding
+        sequence in this step (None: the configured number)."""
         budget = self.config.max_num_batched_tokens
+        drafts = self.num_lookahead_slots if max_drafts is None else min(max_drafts, self.num_lookahead_slots)
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -106,7 +109,7 @@ class Scheduler:
             self.block_manager.grow(seq.block_ids, target)
             chunk = _chunk(seq, num)
             if num == 1 and chunk.samples:
-                chunk.num_lookahead = self._reserve_lookahead(seq, target, budget - num)
+                chunk.num_lookahead = self._reserve_lookahead(seq, target, min(drafts, budget - num))
                 budget -= chunk.num_lookahead
                 decodes.append(chunk)
             else:

@@ -1,0 +1,131 @@
+"""How many draft tokens a decode step may verify, chosen from what steps were measured to yield.
+
+Speculation pays when the device has room: one verify pass of B rows x (k + 1) tokens costs
+about what a decode step costs, and yields more than one token per row. A busy server has no
+room left (and a verify shape may lose what a decode shape has, such as a captured CUDA
+graph), so the same drafts that double a lone request's speed can halve a full batch's.
+Neither the step cost nor the acceptance is known in advance, and both change with the
+model, the device, the batch and the text, so each is measured instead of modelled.
+
+For every batch-size class (powers of two of the running sequences) the policy keeps, per
+draft cap k (0, 1, 2, 4, ... up to the configured number), a moving average of the tokens
+per sequence per second that pure-decode steps with that cap produced (per sequence, so that
+steps of 40 and of 60 rows in one class compare fairly where a step's time hardly depends on
+its rows, as on a GPU). A step takes the cap with the best average; each other cap is tried
+again now and then, the less often the more a try of it costs (about 0.4 % of the throughput
+per cap), so a change in the load or the text is still noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Sequence-steps of each cap before its figures are trusted: one step of a batch, two of a lone
+# request.
+MIN_ROWS = 2
+# A sample's weight decays by this factor per sequence of the cap's later samples: a cap's
+# figures are those of its last few hundred sequence-steps, a handful of steps of a full batch
+# (quick to follow a change) or a few hundred of a lone request (whose one-row steps yield
+# anything from 1 to k + 1 tokens: a few of them say little).
+ROW_DECAY = 0.995
+# A retry of a worse cap may cost at most this fraction of the throughput: its wait grows with
+# what it loses (the cap's step time over the best's, times how far its yield trails).
+RETRY_COST = 0.004
+# ... but a cap that loses almost nothing is still not retried more often than this.
+MIN_RETRY_STEPS = 32
+# A cap whose figures could still be the best's (its yield plus this many standard errors of a
+# figure from `rows` rows, about 1 / sqrt(rows) relative: one row's yield varies about as much
+# as it is) is retried after only a few steps, until enough rows say otherwise. Half a standard
+# error: more retries lost more than the better picks gained in simulated runs.
+CONFIDENCE = 0.5
+PLAUSIBLE_RETRY_STEPS = 4
+
+
+def draft_caps(num_speculative_tokens: int) -> list[int]:
+    """The caps tried: no drafts, powers of two below the configured number, and that number."""
+    caps = [0]
+    k = 1
+    while k < num_speculative_tokens:
+        caps.append(k)
+        k *= 2
+    return caps + [num_speculative_tokens]
+
+
+@dataclass
+class _Arm:
+    """One cap's decayed sums over its pure-decode steps."""
+
+    tokens_per_row: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0  # of the samples, decayed alike
+    rows: float = 0.0  # sequences the samples covered, decayed alike
+    last_step: int = 0  # the class's step count when this cap last ran
+
+    @property
+    def rate(self) -> float:
+        """Tokens per sequence per second."""
+        return self.tokens_per_row / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        return self.seconds / self.weight if self.weight > 0 else 0.0
+
+
+@dataclass
+class _BatchClass:
+    arms: dict[int, _Arm]
+    steps: int = 0
+
+
+@dataclass
+class DraftPolicy:
+    """Per step: `cap(num_rows)` before scheduling, `observe(...)` once the step's tokens are in."""
+
+    num_speculative_tokens: int
+    classes: dict[int, _BatchClass] = field(default_factory=dict)
+
+    def cap(self, num_rows: int) -> int:
+        """The most drafts any sequence gets in a step of about `num_rows` decoding sequences."""
+        group = self._class(num_rows)
+        arms = group.arms
+        # The configured number first: where drafts pay (a lone request) the first steps do too.
+        unsettled = [k for k in sorted(arms, reverse=True) if arms[k].rows < MIN_ROWS]
+        if unsettled:
+            return unsettled[0]
+        best = arms[max(arms, key=lambda k: arms[k].rate)]
+        overdue: list[tuple[float, int]] = []
+        for k, arm in arms.items():
+            if arm is best:
+                continue
+            if arm.rate * (1.0 + CONFIDENCE / arm.rows ** 0.5) >= best.rate:
+                wait = PLAUSIBLE_RETRY_STEPS
+            else:
+                # Throughput a retry of this cap loses, as a fraction of one best step's.
+                loss = arm.step_seconds / best.step_seconds * (1.0 - arm.rate / best.rate)
+                wait = max(MIN_RETRY_STEPS, loss / RETRY_COST)
+            overdue.append((group.steps - arm.last_step - wait, k))
+        due, k = max(overdue)
+        return k if due >= 0 else max(arms, key=lambda k: arms[k].rate)
+
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float) -> None:
+        """A pure-decode step of `num_rows` sequences under `cap` produced `num_tokens` in `seconds`."""
+        if seconds <= 0 or num_rows <= 0:
+            return
+        group = self._class(num_rows)
+        arm = group.arms.get(cap)
+        if arm is None:
+            return
+        group.steps += 1
+        decay = ROW_DECAY ** num_rows
+        arm.tokens_per_row = arm.tokens_per_row * decay + num_tokens / num_rows
+        arm.seconds = arm.seconds * decay + seconds
+        arm.weight = arm.weight * decay + 1.0
+        arm.rows = arm.rows * decay + num_rows
+        arm.last_step = group.steps
+
+    def _class(self, num_rows: int) -> _BatchClass:
+        key = max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+        group = self.classes.get(key)
+        if group is None:
+            group = self.classes[key] = _BatchClass({k: _Arm() for k in draft_caps(self.num_speculative_tokens)})
+        return group
