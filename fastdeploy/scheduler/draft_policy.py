@@ -11,17 +11,17 @@ For every batch-size class (powers of two of the running sequences) the policy k
 draft cap k (0, 1, 2, 4, ... up to the configured number), a moving average of the tokens
 per sequence per second that pure-decode steps with that cap produced (per sequence, so that
 steps of 40 and of 60 rows in one class compare fairly where a step's time hardly depends on
-its rows, as on a GPU). A step takes the cap with the best average; each other cap is tried
-again now and then, the less often the more a try of it costs (about 0.4 % of the throughput
-per cap), so a change in the load or the text is still noticed.
+its rows, as on a GPU). A step takes the cap with the best average; the caps next to it are
+tried again now and then, the less often the more a try costs (about 0.4 % of the throughput
+per cap), so a change in the load or the text is still followed, one cap at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Sequence-steps of each cap before its figures are trusted: one step of a batch, two of a lone
-# request.
+# Sequence-steps of each end cap (none, all) before its figures are trusted: one step of a
+# batch, two of a lone request.
 MIN_ROWS = 2
 # A sample's weight decays by this factor per sequence of the cap's later samples: a cap's
 # figures are those of its last few hundred sequence-steps, a handful of steps of a full batch
@@ -59,6 +59,7 @@ class _Arm:
     seconds: float = 0.0
     weight: float = 0.0  # of the samples, decayed alike
     rows: float = 0.0  # sequences the samples covered, decayed alike
+    seen_rows: int = 0  # sequences the samples covered, not decayed
     last_step: int = 0  # the class's step count when this cap last ran
 
     @property
@@ -88,24 +89,32 @@ class DraftPolicy:
         """The most drafts any sequence gets in a step of about `num_rows` decoding sequences."""
         group = self._class(num_rows)
         arms = group.arms
-        # The configured number first: where drafts pay (a lone request) the first steps do too.
-        unsettled = [k for k in sorted(arms, reverse=True) if arms[k].rows < MIN_ROWS]
-        if unsettled:
-            return unsettled[0]
-        best = arms[max(arms, key=lambda k: arms[k].rate)]
+        caps = sorted(arms)
+        # The two ends first, the configured number before none: where drafts pay (a lone
+        # request) the first steps do too. The caps between are tried as neighbours of the best
+        # (the yield over the caps is taken to have one peak), so a short run pays for two.
+        for k in (caps[-1], caps[0]):
+            if arms[k].seen_rows < MIN_ROWS:
+                return k
+        best_cap = max((k for k in caps if arms[k].rows > 0), key=lambda k: arms[k].rate)
+        best = arms[best_cap]
+        i = caps.index(best_cap)
         overdue: list[tuple[float, int]] = []
-        for k, arm in arms.items():
+        for k in caps[max(0, i - 1):i + 2]:
+            arm = arms[k]
             if arm is best:
                 continue
-            if arm.rate * (1.0 + CONFIDENCE / arm.rows ** 0.5) >= best.rate:
+            if arm.rows == 0:
+                wait = float(MIN_RETRY_STEPS)
+            elif arm.rate * (1.0 + CONFIDENCE / arm.rows ** 0.5) >= best.rate:
                 wait = PLAUSIBLE_RETRY_STEPS
             else:
                 # Throughput a retry of this cap loses, as a fraction of one best step's.
                 loss = arm.step_seconds / best.step_seconds * (1.0 - arm.rate / best.rate)
                 wait = max(MIN_RETRY_STEPS, loss / RETRY_COST)
             overdue.append((group.steps - arm.last_step - wait, k))
-        due, k = max(overdue)
-        return k if due >= 0 else max(arms, key=lambda k: arms[k].rate)
+        due, k = max(overdue, default=(-1.0, best_cap))
+        return k if due >= 0 else best_cap
 
     def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float) -> None:
         """A pure-decode step of `num_rows` sequences under `cap` produced `num_tokens` in `seconds`."""
@@ -121,6 +130,7 @@ class DraftPolicy:
         arm.seconds = arm.seconds * decay + seconds
         arm.weight = arm.weight * decay + 1.0
         arm.rows = arm.rows * decay + num_rows
+        arm.seen_rows += num_rows
         arm.last_step = group.steps
 
     def _class(self, num_rows: int) -> _BatchClass:

@@ -112,3 +112,13 @@ def test_a_short_busy_run_loses_little():
     for seed in range(3):
         rate, _ = run(DraftPolicy(4), 64, 256, busy_gpu, 0.7, seed)
         assert rate >= 0.96 * best_rate
+
+
+def test_a_short_lone_request_keeps_most_of_its_drafts():
+    """A lone request of ~150 steps: only the two ends are tried up front, so it keeps most of
+    what the configured drafts give."""
+    best_cap, best_rate = best_fixed(1, idle_gpu, 0.7, 4)
+    for seed in range(3):
+        rate, caps = run(DraftPolicy(4), 1, 150, idle_gpu, 0.7, seed)
+        assert caps[:4] == [4, 4, 0, 0]
+        assert rate >= 0.9 * best_rate
