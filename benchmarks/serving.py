@@ -76,14 +76,16 @@ class Server:
     proc: subprocess.Popen | None = None
     model: str = ""
     env: dict[str, str] | None = None  # the server's environment; None: this process's
+    ready_s: float | None = None  # seconds from launch to the first 200 of ready_path (set by start)
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, log_path: str, timeout_s: float = 300.0) -> None:
+    def start(self, log_path: str, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
         log = open(log_path, "w")
         # Own session: on a hung shutdown we can kill exactly this server's process group.
+        launched = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=self.env)
         deadline = time.time() + timeout_s
@@ -92,11 +94,12 @@ class Server:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {log_path}")
             try:
                 if httpx.get(self.base + self.ready_path, timeout=2).status_code == 200:
+                    self.ready_s = time.perf_counter() - launched
                     self.model = httpx.get(self.base + "/v1/models", timeout=5).json()["data"][0]["id"]
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(poll_s)
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s; see {log_path}")
 
     def stop(self) -> None:
@@ -108,6 +111,14 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def fastdeploy_server(name: str, serve_args: list[str], extra_body: dict | None = None) -> Server:
+    """`fastdeploy serve *serve_args` on a free port, not started yet; ready when /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", "--port", str(port), *serve_args]
+    return Server(name, cmd, "/health", extra_body or {}, port)
+
 
 def llamacpp_server(gguf: str, eos: int, threads: int, port: int) -> Server:
     """llama-cpp-python's server on `gguf` with `threads` threads, EOS ignored through logit_bias.

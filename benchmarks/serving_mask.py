@@ -58,7 +58,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
-    free_port,
     machine_info,
     png_path,
     print_machine,
@@ -67,7 +66,7 @@ from benchmarks.common import (  # noqa: E402
     tree_rss_mb,
     write_json,
 )
-from benchmarks.serving import TOPICS, Server  # noqa: E402
+from benchmarks.serving import TOPICS, Server, fastdeploy_server  # noqa: E402
 
 CASES = {"peaked": {"temperature": 1.0, "top_p": 0.9}, "flat": {"temperature": 1.5, "top_p": 0.99}}
 
@@ -184,9 +183,7 @@ def run_load(server: Server, case: str, mask_format: str | None, clients: int, p
 
 
 def start_server(name: str, args: list[str], log_dir: str) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", "--port", str(port), *args]
-    server = Server(name, cmd, "/health", {}, port)
+    server = fastdeploy_server(name, args)
     server.start(os.path.join(log_dir, f"{name}.log"), timeout_s=900)
     return server
 
