@@ -139,3 +139,6 @@ def _log_stats(core: EngineCore) -> None:
     logger.info("running %d, waiting %d, KV blocks in use %.1f%%, prefix cache hit rate %s (%d of %d tokens)",
                 core.num_running, core.num_waiting, 100 * blocks.usage, hit_rate, blocks.hit_tokens,
                 blocks.query_tokens)
+    if core.draft_policy is not None:
+        logger.info("draft caps (best cap, tokens per sequence per second of each cap): %s",
+                    core.draft_policy.describe())

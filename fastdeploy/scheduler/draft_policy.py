@@ -133,6 +133,22 @@ class DraftPolicy:
         arm.seen_rows += num_rows
         arm.last_step = group.steps
 
+    def describe(self) -> str:
+        """Per batch-size class: the cap steps take now, and each measured cap's tokens per
+        sequence per second (for the engine's stats line)."""
+        parts = []
+        for key in sorted(self.classes):
+            arms = self.classes[key].arms
+            measured = {k: arm for k, arm in arms.items() if arm.seen_rows}
+            if not measured:
+                continue
+            best = max(measured, key=lambda k: measured[k].rate)
+            low, high = 1 << (key - 1), (1 << key) - 1
+            rows = str(low) if low == high else f"{low}-{high}"
+            rates = ", ".join(f"{k}: {arm.rate:.0f}" for k, arm in sorted(measured.items()))
+            parts.append(f"{rows} seqs -> {best} ({rates})")
+        return "; ".join(parts) or "none measured yet"
+
     def _class(self, num_rows: int) -> _BatchClass:
         key = max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
         group = self.classes.get(key)
