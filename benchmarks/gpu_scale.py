@@ -128,20 +128,19 @@ LLAMA_8B_ARGS = ["llama3_8b", "--load-format", "dummy", "--device", "cuda"]
 # --- where and what ---------------------------------------------------------------------------------
 
 def git_state(given: str | None, given_dirty: bool) -> tuple[str | None, bool | None]:
-    """(full HEAD hash, tree dirty) from git; a tree copy without .git (a device machine's) takes
-    `--commit` and `--dirty` as given."""
+    """(full HEAD hash, tree dirty): `--commit` and `--dirty` as given (a device machine's tree
+    copy: whatever .git it carries need not be the tree's), else from git."""
+    if given:
+        return given, given_dirty
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
                                 capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return given, given_dirty or None
+        return None, None
     if head.returncode != 0 or status.returncode != 0:
-        return given, given_dirty or None
-    commit = head.stdout.strip()
-    if given and given != commit:
-        print(f"# --commit {given} differs from git's HEAD {commit}: recording git's", flush=True)
-    return commit, bool(status.stdout.strip())
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
 
 
 def device_name(device: str) -> str:

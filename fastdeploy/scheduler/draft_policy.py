@@ -33,6 +33,8 @@ ROW_DECAY = 0.995
 RETRY_COST = 0.004
 # ... but a cap that loses almost nothing is still not retried more often than this.
 MIN_RETRY_STEPS = 32
+# A sample counts as at most this many of the cap's usual steps.
+OUTLIER_FACTOR = 2.0
 # A cap whose figures could still be the best's (its yield plus this many standard errors of a
 # figure from `rows` rows, about 1 / sqrt(rows) relative: one row's yield varies about as much
 # as it is) is retried after only a few steps, until enough rows say otherwise. Half a standard
@@ -60,6 +62,7 @@ class _Arm:
     weight: float = 0.0  # of the samples, decayed alike
     rows: float = 0.0  # sequences the samples covered, decayed alike
     seen_rows: int = 0  # sequences the samples covered, not decayed
+    warmed: bool = False  # the cap's first step in its class, not counted, has run
     last_step: int = 0  # the class's step count when this cap last ran
 
     @property
@@ -100,7 +103,9 @@ class DraftPolicy:
         best = arms[best_cap]
         i = caps.index(best_cap)
         overdue: list[tuple[float, int]] = []
-        for k in caps[max(0, i - 1):i + 2]:
+        # The neighbours, and the ends: an end that one bad sample made look poor must still
+        # come back without a climb through every cap between.
+        for k in sorted(set(caps[max(0, i - 1):i + 2]) | {caps[0], caps[-1]}):
             arm = arms[k]
             if arm is best:
                 continue
@@ -125,13 +130,22 @@ class DraftPolicy:
         if arm is None:
             return
         group.steps += 1
+        arm.last_step = group.steps
+        if not arm.warmed:
+            # A cap's first step in a class can run shapes nothing ran before (a kernel compiles,
+            # a buffer grows): it measures that, not the cap.
+            arm.warmed = True
+            return
+        if arm.weight > 0:
+            # One step slowed by something else (a collection, a busy neighbour) must not sink a
+            # cap for long: no sample counts as more than a few of the cap's usual steps.
+            seconds = min(seconds, OUTLIER_FACTOR * arm.step_seconds)
         decay = ROW_DECAY ** num_rows
         arm.tokens_per_row = arm.tokens_per_row * decay + num_tokens / num_rows
         arm.seconds = arm.seconds * decay + seconds
         arm.weight = arm.weight * decay + 1.0
         arm.rows = arm.rows * decay + num_rows
         arm.seen_rows += num_rows
-        arm.last_step = group.steps
 
     def describe(self) -> str:
         """Per batch-size class: the cap steps take now, and each measured cap's tokens per
