@@ -40,6 +40,9 @@ class StepInput(msgspec.Struct, array_like=True):
     chunks: list[ChunkInput]  # decode chunks (one token) first, then prefill chunks
     freed_seq_ids: list[int]  # finished or aborted: drop worker state
     grammar_requests: list[GrammarRequest] = []
+    # Speculative decoding: the most drafts a sequence gets in the step after this one (-1: the
+    # configured number). A draft model drafting after this step drafts no more than that.
+    next_draft_cap: int = -1
 
 
 class WorkerEvents(msgspec.Struct, array_like=True):

@@ -65,6 +65,7 @@ class EngineCore:
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
         self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
+        self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
@@ -145,7 +146,10 @@ class EngineCore:
         """
         started = time.perf_counter()
         num_rows = len(self.scheduler.running)
-        draft_cap = self.draft_policy.cap(num_rows) if self.draft_policy is not None else None
+        draft_cap = None
+        if self.draft_policy is not None:
+            # The cap announced with the last step: a draft model drafted that many after it.
+            draft_cap = self._announced_cap if self._announced_cap is not None else self.draft_policy.cap(num_rows)
         plan = self.scheduler.schedule(draft_cap)
         new_sequences = []
         chunks = []
@@ -161,7 +165,11 @@ class EngineCore:
                                      list(seq.block_ids), chunk.samples, chunk.num_lookahead))
         if not chunks and not self._grammar_requests and not self.waiting_for_grammar:
             return self._take_deferred()
-        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests)
+        next_cap = -1
+        if self.draft_policy is not None:
+            self._announced_cap = next_cap = self.draft_policy.cap(len(self.scheduler.running))
+        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests,
+                               next_cap)
         self._freed = []
         self._grammar_requests = []
         pending = self.executor.submit(step_input)

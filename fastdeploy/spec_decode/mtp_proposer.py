@@ -70,8 +70,11 @@ class MTPProposer:
         self.block_size = block_size
         self.prepare_inputs = prepare_inputs
 
-    def propose(self, work: list[MTPWork], step_hidden: torch.Tensor) -> PendingDrafts:
-        """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence."""
+    def propose(self, work: list[MTPWork], step_hidden: torch.Tensor, max_drafts: int | None = None
+                ) -> PendingDrafts:
+        """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence
+        (k: `max_drafts` where given, at most the configured number). The first pass runs even
+        for k = 0: it brings the module's K/V up to the accepted tokens, which later drafts need."""
         device = step_hidden.device
         k = self.num_speculative_tokens
         work = [w for w in work if w.tokens]
@@ -95,7 +98,8 @@ class MTPProposer:
         hidden, tokens = self.mtp_pass(input_ids, prev, positions, meta, draft_rows_d)
         passes = [tokens]
         seq_ids = [[w.seq_id for w in drafting]]
-        for r in range(1, k):
+        further = k if max_drafts is None else min(k, max_drafts)
+        for r in range(1, further):
             # Draft r sits at the newest token's position + r; stop where no slot was reserved.
             live = [i for i, w in enumerate(drafting) if _newest(w) + r < len(w.block_ids) * self.block_size]
             if not live:

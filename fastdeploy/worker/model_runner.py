@@ -7,9 +7,11 @@ host's bookkeeping (grammars, outputs, the MTP drafts for the next step).
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +105,11 @@ class ModelRunner:
                 self.mtp = MTPStep(config, self.model, self.model_config, self.dtype, self.device, self.num_blocks,
                                    shape, use_graphs)
         self.sequences: dict[int, WorkerSequence] = {}
+        # Work of the last finished step that its frame does not wait for (MTP drafting for the
+        # next step): `after_frame` runs it once the frame is on its way, `launch` at the latest.
+        self._after_frame: Callable[[], None] | None = None
+        self._after_frame_error: BaseException | None = None
+        self._next_draft_cap: int | None = None  # drafts the step after the running one may take
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend != "off":
             with times.phase("grammar runtime"):
@@ -134,6 +141,11 @@ class ModelRunner:
         device, so the caller's thread is free while the model runs (the engine cuts the last
         step's sampling masks in that time). Each step is finished before the next is launched.
         """
+        self.after_frame()
+        if self._after_frame_error is not None:
+            error, self._after_frame_error = self._after_frame_error, None
+            raise RuntimeError("the last step's drafting failed") from error
+        self._next_draft_cap = step.next_draft_cap if step.next_draft_cap >= 0 else None
         events = self._take_step_input(step)
         if not step.chunks:
             return InFlightStep(events, finished=StepOutput(pack_step_frame(_empty_frame(step.message_id)), events))
@@ -151,7 +163,7 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, attn_metadata)
         if not seq_ids:
             if self.mtp is not None:
-                self.mtp.feed(chunks, hidden, {}, drafts, self.sequences)
+                self.mtp.feed(chunks, hidden, {}, drafts, self.sequences, self._next_draft_cap)
             return InFlightStep(events, finished=StepOutput(pack_step_frame(_empty_frame(step.message_id)), events))
         # Everything up to the pack is queued on the device without waiting for it: the host
         # builds the sampler's inputs and fills the grammar bitmask while the GPU runs the model.
@@ -212,8 +224,24 @@ class ModelRunner:
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, q.slot_drafts, strict=True)
                                                    if d)
         if self.mtp is not None:
-            self.mtp.feed(q.chunks, q.hidden, dict(zip(q.seq_ids, counts, strict=True)), q.drafts, self.sequences)
+            # After the frame: the host's share of drafting (inputs of each MTP pass) then runs
+            # while the engine takes in the frame, and the passes while it schedules.
+            self._after_frame = functools.partial(
+                self.mtp.feed, q.chunks, q.hidden, dict(zip(q.seq_ids, counts, strict=True)), q.drafts,
+                self.sequences, self._next_draft_cap)
         return StepOutput(result, events, pending, packed.mask_bits)
+
+    def after_frame(self) -> None:
+        """Run the finished step's work that its frame did not wait for. A failure surfaces at
+        the next `launch`, which fails that step."""
+        work, self._after_frame = self._after_frame, None
+        if work is None:
+            return
+        try:
+            with torch.inference_mode():
+                work()
+        except Exception as exc:  # noqa: BLE001 - re-raised by the next launch
+            self._after_frame_error = exc
 
     def _pack(self, q: QueuedSampling, sampled: SamplerOutput) -> PackedStep:
         assert self.packer is not None, "only the sampling rank packs"
@@ -312,6 +340,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.cuda_graphs = None
+        self._after_frame = None
         self.mtp = None
         gc.collect()
         destroy_tensor_parallel()

@@ -44,8 +44,10 @@ class MTPStep:
         self._pending: tuple[PendingDrafts, list[int]] | None = None
 
     def feed(self, chunks: list[ChunkInput], hidden: torch.Tensor, accepted: dict[int, int],
-             drafts: dict[int, list[int]], sequences: dict[int, WorkerSequence]) -> None:
-        """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts for the next step."""
+             drafts: dict[int, list[int]], sequences: dict[int, WorkerSequence], max_drafts: int | None = None
+             ) -> None:
+        """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts (at most
+        `max_drafts`, where given) for the next step."""
         work = []
         offset = 0  # flat index of the chunk's first token in `hidden`
         for chunk in chunks:
@@ -64,7 +66,7 @@ class MTPStep:
                     chunk.block_ids, chunk.sample and last == newest))
             offset += n
         # Read back when the next step needs them: meanwhile the GPU runs the passes.
-        self._pending = (self.proposer.propose(work, hidden), [c.seq_id for c in chunks if c.sample])
+        self._pending = (self.proposer.propose(work, hidden, max_drafts), [c.seq_id for c in chunks if c.sample])
 
     def take_drafts(self, sequences: dict[int, WorkerSequence]) -> None:
         """Hand the last step's drafts to their sequences (one wait, one copy already made)."""

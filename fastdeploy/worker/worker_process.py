@@ -86,6 +86,7 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
                 continue
             sock.send_multipart([FRAME, output.frame, encoder.encode(output.events),
                                  encode_mask_bits(output.mask_bits)], copy=False)
+            runner.after_frame()  # drafting for the next step, while the engine takes in this one
     finally:
         runner.shutdown()
         sock.close()

@@ -109,3 +109,33 @@ def test_mtp_greedy_equals_non_speculative_for_any_head(base, tmp_path_factory):
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
             for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
                 assert lg.logprob == pytest.approx(le.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2])
+def test_mtp_drafts_no_more_than_the_announced_cap(base, tmp_path_factory, monkeypatch, cap):
+    """The engine announces each step's draft cap one step ahead; the MTP module drafts no more
+    than that after the step before it (its first pass still runs: it keeps its K/V current), and
+    the greedy output stays the non-speculative one."""
+    from fastdeploy.scheduler.draft_policy import DraftPolicy
+    from fastdeploy.spec_decode.mtp_proposer import MTPProposer
+
+    torch.manual_seed(3)
+    directory = str(tmp_path_factory.mktemp("mtp_cap"))
+    save_mtp_head(MTPHead(mtp_config(base.engine.executor.runner.model_config)), directory, dtype=torch.float32)
+    monkeypatch.setattr(DraftPolicy, "cap", lambda self, num_rows: cap)
+    drafted: list[int] = []
+    propose = MTPProposer.propose
+
+    def counting(self, work, step_hidden, max_drafts=None):
+        pending = propose(self, work, step_hidden, max_drafts)
+        drafted.append(len(pending.seq_ids))  # passes that drafted
+        return pending
+
+    monkeypatch.setattr(MTPProposer, "propose", counting)
+    prompts = [[{"role": "user", "content": "Count from 1 to 12."}]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    spec = LLM(max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "model": directory})
+    got = spec.chat(prompts, params)
+    assert got[0].outputs[0].token_ids == base.chat(prompts, params)[0].outputs[0].token_ids
+    assert drafted and max(drafted) == max(1, cap)
+    assert (spec.engine.spec_stats.num_draft_tokens > 0) == (cap > 0)
