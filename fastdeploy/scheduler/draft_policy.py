@@ -79,6 +79,11 @@ class _Arm:
 class _BatchClass:
     arms: dict[int, _Arm]
     steps: int = 0
+    # The caps measured first: both ends, all drafts before none (where drafts pay, a lone
+    # request, the first steps do too); or, for a class next to one already measured, that
+    # class's best cap alone (a server's batch drifts through several classes as requests come
+    # and go, and trying a bad end in each costs a short run more than it learns).
+    first: tuple[int, ...] = ()
 
 
 @dataclass
@@ -93,10 +98,9 @@ class DraftPolicy:
         group = self._class(num_rows)
         arms = group.arms
         caps = sorted(arms)
-        # The two ends first, the configured number before none: where drafts pay (a lone
-        # request) the first steps do too. The caps between are tried as neighbours of the best
-        # (the yield over the caps is taken to have one peak), so a short run pays for two.
-        for k in (caps[-1], caps[0]):
+        # The caps between the ends are tried later as neighbours of the best (the yield over
+        # the caps is taken to have one peak), so a short run pays for two trials at most.
+        for k in group.first:
             if arms[k].seen_rows < MIN_ROWS:
                 return k
         best_cap = max((k for k in caps if arms[k].rows > 0), key=lambda k: arms[k].rate)
@@ -167,5 +171,13 @@ class DraftPolicy:
         key = max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
         group = self.classes.get(key)
         if group is None:
-            group = self.classes[key] = _BatchClass({k: _Arm() for k in draft_caps(self.num_speculative_tokens)})
+            caps = draft_caps(self.num_speculative_tokens)
+            measured = [k for k, g in self.classes.items() if any(arm.rows > 0 for arm in g.arms.values())]
+            if measured:
+                nearest = self.classes[min(measured, key=lambda k: (abs(k - key), k))]
+                first: tuple[int, ...] = (max((k for k, arm in nearest.arms.items() if arm.rows > 0),
+                                             key=lambda k: nearest.arms[k].rate),)
+            else:
+                first = (caps[-1], caps[0])
+            group = self.classes[key] = _BatchClass({k: _Arm() for k in caps}, first=first)
         return group

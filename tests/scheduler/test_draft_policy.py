@@ -144,3 +144,15 @@ def test_a_slow_first_step_of_one_cap_does_not_mislead_it(step_ms, rows, slow_ca
         _, caps = run(DraftPolicy(4), rows, 300, step_ms, 0.7, seed, slow)
         late = caps[50:]
         assert late.count(best_cap) / len(late) > 0.7, (seed, best_cap, late.count(best_cap))
+
+
+def test_a_new_batch_class_starts_from_the_nearest_measured_one():
+    """Requests come and go, and the batch drifts into a class not seen before: it starts at
+    the cap the nearest measured class found best, without a trial of the bad end first."""
+    policy = DraftPolicy(4)
+    run(policy, 20, 300, busy_gpu, 0.7)  # 16-31 sequences: no drafts pays
+    assert policy.cap(20) == 0
+    _, caps = run(policy, 40, 20, busy_gpu, 0.7)  # 32-63: new
+    assert caps == [0] * 20
+    fresh = DraftPolicy(4)
+    assert [fresh.cap(40)] == [4]  # with nothing measured: the ends, all drafts first
