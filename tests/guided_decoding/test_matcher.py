@@ -215,39 +215,3 @@ def test_apply_bitmask_paddle_zero_copy():
     logits2 = paddle.zeros([2, 70], dtype="float32")
     apply_token_bitmask_inplace(logits2, bitmask)
     assert (logits2.numpy() == logits.numpy()).all()
-
-
-def test_the_batch_fill_equals_filling_each_row(backends, tokenizer):
-    """A step's bitmask from each backend's batch fill (xgrammar's on several threads) equals
-    the rows filled one by one: sequences of both backends at different points of their
-    grammars, a terminated one, and unconstrained rows between them."""
-    from fastdeploy.model_executor.guided_decoding import GrammarCompileService
-
-    text = json.dumps({"name": "Ada", "age": 36, "tags": ["x"], "kind": "cat"})
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    states: list[GuidedState | None] = []
-    for name in ("xgrammar", "llguidance"):
-        service = GrammarCompileService(backends[name], max_workers=1, timeout_s=60.0)
-        try:
-            compiled = service.compile(guided_spec_from_request(
-                {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}))
-        finally:
-            service.shutdown()
-        for depth in (0, 3, len(ids) // 2, len(ids)):
-            state = GuidedState(compiled)
-            for t in ids[:depth]:
-                assert state.accept(t)
-            states += [state, None]
-        done = GuidedState(compiled)
-        for t in [*ids, EOS]:
-            assert done.accept(t)
-        assert done.is_terminated
-        states.append(done)
-    vocab = backends["xgrammar"].vocab_size
-    batched = fill_bitmasks(states, vocab)
-    one_by_one = torch.full_like(batched, -1)
-    for row, state in enumerate(states):
-        if state is not None:
-            state.fill_bitmask(one_by_one, row)
-    assert torch.equal(batched, one_by_one)
-    assert sum(s is not None and s.backend == "xgrammar" for s in states) >= 2  # the threaded path ran

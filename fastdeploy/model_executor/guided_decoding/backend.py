@@ -18,7 +18,7 @@ import torch
 
 from fastdeploy.common.guided_spec import GuidedSpec
 
-__all__ = ["CompiledGrammar", "GrammarBackend", "TokenMatcher", "allow_only", "fill_each_row"]
+__all__ = ["CompiledGrammar", "GrammarBackend", "TokenMatcher", "allow_only"]
 
 
 class TokenMatcher(Protocol):
@@ -62,15 +62,6 @@ class GrammarBackend(Protocol):
         """Compile synchronously. Raises ValueError / RuntimeError for a spec it cannot compile."""
 
     def matcher(self, compiled: CompiledGrammar) -> TokenMatcher: ...
-
-    def fill_rows(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """`matchers[i].fill_bitmask(bitmask, rows[i])` for every i, for matchers of this backend;
-        a backend may fill them side by side (`fill_each_row` does them one after another)."""
-
-
-def fill_each_row(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-    for matcher, row in zip(matchers, rows, strict=True):
-        matcher.fill_bitmask(bitmask, row)
 
 
 def _bit(i: int) -> int:

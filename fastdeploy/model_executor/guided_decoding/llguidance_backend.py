@@ -16,7 +16,7 @@ import llguidance as llg
 import torch
 
 from fastdeploy.common.guided_spec import GuidedSpec
-from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only, fill_each_row
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the type stub only
@@ -183,9 +183,6 @@ class LLGuidanceBackend:
         if template.is_error():
             raise ValueError(_first_line(template.get_error()))
         return CompiledGrammar(self, spec, template, len(grammar))
-
-    def fill_rows(self, matchers: list[_Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-        fill_each_row(matchers, bitmask, rows)
 
     def matcher(self, compiled: CompiledGrammar) -> _Matcher:
         return _Matcher(compiled.handle, self.stop_token_ids)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend, TokenMatcher
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar
 
 __all__ = ["GuidedState", "allocate_bitmask", "fill_bitmasks"]
 
@@ -32,11 +32,6 @@ class GuidedState:
         self.backend = compiled.backend.name
         self._matcher = compiled.matcher()
         self.num_accepted = 0  # tokens accepted and not rolled back
-
-    @property
-    def matcher(self) -> TokenMatcher:
-        """The backend's matcher (for a backend's batch fill)."""
-        return self._matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 [B, ceil(V/32)], CPU, contiguous).
@@ -105,14 +100,7 @@ def fill_bitmasks(
     else:
         bitmask = out[:batch]
         bitmask.fill_(-1)
-    # Each backend fills its rows in one call (xgrammar's on several threads).
-    by_backend: dict[int, tuple[GrammarBackend, list[TokenMatcher], list[int]]] = {}
     for row, state in enumerate(states):
         if state is not None:
-            backend = state.compiled.backend
-            _, matchers, rows = by_backend.setdefault(id(backend), (backend, [], []))
-            matchers.append(state.matcher)
-            rows.append(row)
-    for backend, matchers, rows in by_backend.values():
-        backend.fill_rows(matchers, bitmask, rows)
+            state.fill_bitmask(bitmask, row)
     return bitmask

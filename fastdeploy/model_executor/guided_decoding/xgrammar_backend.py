@@ -109,10 +109,6 @@ class _Matcher:
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
 
-    @property
-    def handle(self) -> xgr.GrammarMatcher:
-        return self._m
-
     def accept(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
 
@@ -140,7 +136,6 @@ class XGrammarBackend:
         self.tokenizer_info = tokenizer_info
         self.vocab_size: int = tokenizer_info.vocab_size
         self.stop_token_ids: list[int] = list(tokenizer_info.stop_token_ids)
-        self._batch: xgr.BatchGrammarMatcher | None = None  # made on the first batch fill
         self._compiler = xgr.GrammarCompiler(
             tokenizer_info, max_threads=compiler_threads or min(8, os.cpu_count() or 1), cache_enabled=False
         )
@@ -164,21 +159,3 @@ class XGrammarBackend:
 
     def matcher(self, compiled: CompiledGrammar) -> _Matcher:
         return _Matcher(compiled.handle, self.stop_token_ids)
-
-    def fill_rows(self, matchers: list[_Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Many rows at once through xgrammar's batch matcher, which fills them on its own threads:
-        a step's rows one after another took the worker several milliseconds at 64 rows, more
-        than the GPU's step of a small model (measured on an H100)."""
-        live = []
-        for matcher, row in zip(matchers, rows, strict=True):
-            if matcher.is_terminated():
-                matcher.fill_bitmask(bitmask, row)  # its stop tokens only
-            else:
-                live.append((matcher, row))
-        if len(live) < 2:
-            for matcher, row in live:
-                matcher.fill_bitmask(bitmask, row)
-            return
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
-        self._batch.batch_fill_next_token_bitmask([m.handle for m, _ in live], bitmask, [row for _, row in live])
