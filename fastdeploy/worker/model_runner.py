@@ -2,7 +2,8 @@
 
 A step runs in two halves. `launch` queues the step's device work (on CUDA without waiting for
 the device) and returns an `InFlightStep`; `finish` waits once for the packed frame and does the
-host's bookkeeping (grammars, outputs, the MTP drafts for the next step).
+host's bookkeeping (grammars, outputs). What the frame need not wait for, the MTP drafts for the
+next step, runs in `after_frame`, once the frame is on its way (at the next `launch` at the latest).
 """
 
 from __future__ import annotations
