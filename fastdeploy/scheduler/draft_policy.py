@@ -80,9 +80,9 @@ class _BatchClass:
     arms: dict[int, _Arm]
     steps: int = 0
     # The caps measured first: both ends, all drafts before none (where drafts pay, a lone
-    # request, the first steps do too); or, for a class next to one already measured, that
-    # class's best cap alone (a server's batch drifts through several classes as requests come
-    # and go, and trying a bad end in each costs a short run more than it learns).
+    # request, the first steps do too); or one cap that measured classes point to (a server's
+    # batch drifts through several classes as requests come and go, and trying a bad end in
+    # each costs a short run more than it learns). See DraftPolicy._first_caps.
     first: tuple[int, ...] = ()
 
 
@@ -167,17 +167,35 @@ class DraftPolicy:
             parts.append(f"{rows} seqs -> {best} ({rates})")
         return "; ".join(parts) or "none measured yet"
 
+    def _first_caps(self, key: int, caps: list[int]) -> tuple[int, ...]:
+        """The caps a new class measures first: the best of a measured neighbouring class; else
+        none where a smaller batch already did best with none, all where a larger one did best
+        with all (drafts pay less as the batch grows); else both ends, all drafts first."""
+        best: dict[int, int] = {}
+        for k, g in self.classes.items():
+            cap = _best_measured(g)
+            if k != key and cap is not None:
+                best[k] = cap
+        for near in (key - 1, key + 1):
+            if near in best:
+                return (best[near],)
+        smaller = [k for k in best if k < key]
+        if smaller and best[max(smaller)] == caps[0]:
+            return (caps[0],)
+        larger = [k for k in best if k > key]
+        if larger and best[min(larger)] == caps[-1]:
+            return (caps[-1],)
+        return (caps[-1], caps[0])
+
     def _class(self, num_rows: int) -> _BatchClass:
         key = max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
         group = self.classes.get(key)
         if group is None:
             caps = draft_caps(self.num_speculative_tokens)
-            measured = [k for k, g in self.classes.items() if any(arm.rows > 0 for arm in g.arms.values())]
-            if measured:
-                nearest = self.classes[min(measured, key=lambda k: (abs(k - key), k))]
-                first: tuple[int, ...] = (max((k for k, arm in nearest.arms.items() if arm.rows > 0),
-                                             key=lambda k: nearest.arms[k].rate),)
-            else:
-                first = (caps[-1], caps[0])
-            group = self.classes[key] = _BatchClass({k: _Arm() for k in caps}, first=first)
+            group = self.classes[key] = _BatchClass({k: _Arm() for k in caps}, first=self._first_caps(key, caps))
         return group
+
+
+def _best_measured(group: _BatchClass) -> int | None:
+    measured = [k for k, arm in group.arms.items() if arm.rows > 0]
+    return max(measured, key=lambda k: group.arms[k].rate) if measured else None

@@ -156,3 +156,21 @@ def test_a_new_batch_class_starts_from_the_nearest_measured_one():
     assert caps == [0] * 20
     fresh = DraftPolicy(4)
     assert [fresh.cap(40)] == [4]  # with nothing measured: the ends, all drafts first
+
+
+def test_a_far_class_is_not_taken_for_a_neighbour():
+    """All drafts paid for a lone request; that says nothing about 20 sequences, which try both
+    ends at once. Once no drafts paid at 20, a batch of 100 starts without drafts."""
+    policy = DraftPolicy(4)
+
+    def step_ms(rows: int, cap: int) -> float:
+        return idle_gpu(rows, cap) if rows < 8 else busy_gpu(rows, cap)
+
+    run(policy, 1, 200, step_ms, 0.7)
+    assert policy.cap(1) == 4
+    _, caps = run(policy, 20, 10, step_ms, 0.7)
+    assert 0 in caps[:8]  # no 32-step wait on the far class's cap
+    run(policy, 20, 200, step_ms, 0.7)
+    assert policy.cap(20) == 0
+    _, caps = run(policy, 100, 20, step_ms, 0.7)
+    assert caps == [0] * 20
