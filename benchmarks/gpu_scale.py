@@ -65,7 +65,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import traceback
@@ -116,11 +115,8 @@ PEOPLE_SCHEMA = {"type": "array",
 # Several embedded servers (or engines) share one GPU: each gets a fixed KV pool instead of "all
 # that is free" (4096 blocks of 16 tokens: 64 sequences of 1,024 tokens).
 EMBEDDED_KV_BLOCKS = 4096
-# The 7B shape with Qwen's real vocabulary (benchmarks/qwen_dummy_dir.py); it travels to a device
-# machine as .whl/qwen7b.tar.xz and is unpacked under /tmp/q (outside the tree: .whl is carried).
-QWEN_UNPACKED = os.path.join(tempfile.gettempdir(), "q")
-QWEN_DIRS = ["qwen7b", ".whl/qwen7b", os.path.join(QWEN_UNPACKED, "qwen7b")]
-QWEN_TARBALL = ".whl/qwen7b.tar.xz"
+# The 7B shape with Qwen's real vocabulary, as `benchmarks/qwen_dummy_dir.py --out qwen7b` writes it.
+QWEN_DIRS = ["qwen7b"]
 QWEN_VOCAB = 152064
 LLAMA_8B_ARGS = ["llama3_8b", "--load-format", "dummy", "--device", "cuda"]
 
@@ -166,20 +162,14 @@ def triton_cache_files() -> int:
 
 
 def qwen7b_dir(given: str | None) -> str:
-    """The 7B-shape dummy directory with Qwen's tokenizer; unpacked from .whl/qwen7b.tar.xz when
-    only the archive is there."""
+    """The 7B-shape dummy directory with Qwen's tokenizer: `--qwen-dir`, else ./qwen7b."""
     if given:
         return given
     for rel in QWEN_DIRS:
         path = os.path.join(REPO_ROOT, rel)
         if os.path.isfile(os.path.join(path, "config.json")):
             return path
-    tarball = os.path.join(REPO_ROOT, QWEN_TARBALL)
-    if os.path.isfile(tarball):
-        with tarfile.open(tarball) as tar:
-            tar.extractall(QWEN_UNPACKED, filter="data")
-        return os.path.join(QWEN_UNPACKED, "qwen7b")
-    raise FileNotFoundError(f"no 7B-shape directory with Qwen's tokenizer in {QWEN_DIRS} nor {QWEN_TARBALL}: "
+    raise FileNotFoundError(f"no 7B-shape directory with Qwen's tokenizer in {QWEN_DIRS}: "
                             "make one with benchmarks/qwen_dummy_dir.py or pass --qwen-dir")
 
 
@@ -875,7 +865,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mask-client-procs", type=int, default=8,
                    help="load-generator processes of the mask part (a 7B bitmap body is about 6 MB)")
     p.add_argument("--qwen-dir", default=None, help="7B-shape directory with Qwen's tokenizer "
-                                                    f"(default: the first of {QWEN_DIRS}, or {QWEN_TARBALL} unpacked)")
+                                                    f"(default: {QWEN_DIRS[0]})")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--load-timeout", type=float, default=600.0, help="seconds one timed load may take")
     p.add_argument("--part-timeout", type=float, default=900.0, help="seconds an in-process part may take")
