@@ -48,7 +48,6 @@ def llamacpp_env() -> dict[str, str]:
     return env
 
 
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (  # noqa: E402

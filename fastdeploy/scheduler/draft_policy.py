@@ -103,7 +103,8 @@ class DraftPolicy:
         for k in group.first:
             if arms[k].seen_rows < MIN_ROWS:
                 return k
-        best_cap = max((k for k in caps if arms[k].rows > 0), key=lambda k: arms[k].rate)
+        best_cap = _best_measured(group)
+        assert best_cap is not None, "the first caps are measured"
         best = arms[best_cap]
         i = caps.index(best_cap)
         overdue: list[tuple[float, int]] = []
@@ -156,14 +157,13 @@ class DraftPolicy:
         sequence per second (for the engine's stats line)."""
         parts = []
         for key in sorted(self.classes):
-            arms = self.classes[key].arms
-            measured = {k: arm for k, arm in arms.items() if arm.seen_rows}
-            if not measured:
+            group = self.classes[key]
+            best = _best_measured(group)
+            if best is None:
                 continue
-            best = max(measured, key=lambda k: measured[k].rate)
             low, high = 1 << (key - 1), (1 << key) - 1
             rows = str(low) if low == high else f"{low}-{high}"
-            rates = ", ".join(f"{k}: {arm.rate:.0f}" for k, arm in sorted(measured.items()))
+            rates = ", ".join(f"{k}: {arm.rate:.0f}" for k, arm in sorted(group.arms.items()) if arm.rows > 0)
             parts.append(f"{rows} seqs -> {best} ({rates})")
         return "; ".join(parts) or "none measured yet"
 
@@ -197,5 +197,6 @@ class DraftPolicy:
 
 
 def _best_measured(group: _BatchClass) -> int | None:
+    """The class's cap with the best measured yield (None before any is measured)."""
     measured = [k for k, arm in group.arms.items() if arm.rows > 0]
     return max(measured, key=lambda k: group.arms[k].rate) if measured else None
