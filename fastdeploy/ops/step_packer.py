@@ -20,9 +20,6 @@ minute).
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,42 +27,19 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from fastdeploy.common.extensions import is_built, load_extension
 from fastdeploy.common.step_frame import StepFrame, pack_step_frame, unpack_step_frame
 from fastdeploy.common.step_slots import StepSlots, gather_step_slots
 
-CUSTOM_OPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "custom_ops")
-_SOURCES = {"_step_packer_cpu": "step_packer.cpp", "_step_packer_cuda": "step_packer_cuda.cu"}
 _lock = threading.Lock()
-
-
-def _is_built(module: str) -> bool:
-    spec = importlib.util.find_spec(f"fastdeploy.ops.{module}")
-    return spec is not None and bool(spec.origin)
-
-
-@functools.cache
-def _load(module: str) -> None:
-    """Loads a built extension of this package, or builds it just in time from custom_ops/."""
-    spec = importlib.util.find_spec(f"fastdeploy.ops.{module}")
-    if spec is not None and spec.origin:
-        torch.ops.load_library(spec.origin)
-        return
-    source = os.path.join(CUSTOM_OPS_DIR, _SOURCES[module])
-    if not os.path.exists(source):
-        raise RuntimeError(f"fastdeploy.ops.{module} is not built and {source} is missing")
-    from torch.utils.cpp_extension import load
-
-    load(name=f"fastdeploy{module}", sources=[source], extra_include_paths=[CUSTOM_OPS_DIR],
-         extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], is_python_module=False)
 
 
 def load_ops(cuda: bool = False) -> None:
     """Registers torch.ops.fastdeploy_ops.* (the CPU library, and the CUDA kernels if asked)."""
     with _lock:
-        _load("_step_packer_cpu")  # defines the ops; the CUDA library only adds kernels
+        load_extension("_step_packer_cpu")  # defines the ops; the CUDA library only adds kernels
         if cuda:
-            _load("_step_packer_cuda")
+            load_extension("_step_packer_cuda")
 
 
 def op_args(slots: StepSlots) -> tuple:
@@ -223,6 +197,6 @@ def choose_packer(device: torch.device) -> StepPacker:
     built, else the numpy reference (same bytes, no compiler needed)."""
     if device.type == "cuda":
         return CudaOpPacker(torch.cuda.Stream(device))
-    if _is_built("_step_packer_cpu"):
+    if is_built("_step_packer_cpu"):
         return CpuOpPacker()
     return ReferencePacker()

@@ -1,15 +1,10 @@
-"""A linear layer whose weight stays 4-bit on the CPU: PyTorch's int4 weight-only matmul.
+"""A linear layer whose weight stays in a GGUF file's own blocks on the CPU (Q4_1 or Q8_0).
 
-The weight is stored as unsigned 4-bit codes `q` in groups of 32 along the input dimension,
-each group with a scale `s` and zero `z`: `w = (q - 8) * s + z`. llama.cpp's Q4_1 blocks
-(`w = q * d + m`) are this with `s = d`, `z = m + 8d`, so a Q4_1 GGUF tensor maps onto it
-without requantising. Each decode step then reads 4.5 bits per weight instead of 32.
-
-The kernel (`_weight_int4pack_mm_for_cpu`) is fast only with bfloat16 activations (with
-float32 ones it is slower than the dense float32 matmul), so the input is rounded to
-bfloat16, the group scales and zeros are bfloat16, and the output is cast back to the
-input's dtype: the rest of the model (norms, attention, KV cache, residual stream) keeps
-its own dtype.
+The kernel (`custom_ops/gguf_matmul_cpu.cpp`) multiplies by each weight's float32 value as
+gguf dequantizes it (Q4_1: `w = q * d + m`, Q8_0: `w = q * d`, d and m float16) with float32
+activations and accumulators, so the result is the dense float32 matmul on the dequantized
+weight up to the order of the sums. A decode step then reads 5 (Q4_1) or 8.5 (Q8_0) bits per
+weight instead of 32; that read is most of a small model's CPU decode step.
 """
 
 from __future__ import annotations
@@ -17,49 +12,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy.model_executor.layers.cpu_kernels import cpu_ops
+
 GROUP_SIZE = 32
-COMPUTE_DTYPE = torch.bfloat16
+# Bytes of one GGUF block of 32 weights by ggml type: Q4_1 (float16 d, m, 16 bytes of codes), Q8_0 (d, 32 int8).
+GGUF_BLOCK_BYTES = {3: 20, 8: 34}
 
 
-class Int4Linear(nn.Module):
-    """`y = x @ w.t() + bias` for `w` [out, in] held as packed 4-bit groups of 32 (CPU only)."""
+class GGUFLinear(nn.Module):
+    """`y = x @ w.t() + bias` for `w` [out, in] held as a GGUF file's Q4_1 or Q8_0 blocks (CPU only)."""
 
     def __init__(
-        self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None = None
+        self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None
     ) -> None:
-        """`codes`: uint8 [out, in] in 0..15; `scales`, `zeros`: float [out, in / 32]; `bias`: [out] or None."""
+        """`blocks`: uint8 [out, in / 32 * block bytes], the file's rows; `ggml_type`: 3 (Q4_1) or 8 (Q8_0)."""
         super().__init__()
-        out_features, in_features = codes.shape
-        if in_features % GROUP_SIZE or scales.shape != (out_features, in_features // GROUP_SIZE):
-            raise ValueError(f"int4 linear: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not make "
-                             f"groups of {GROUP_SIZE} along the input dimension")
-        self.in_features, self.out_features = in_features, out_features
-        # The kernel's layout: innerKTiles=1 packs two codes a byte, [out, in / 2].
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        # [in / 32, out, 2]: per group, (scale, zero) of every output row.
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scales.t(), zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())
+        if ggml_type not in GGUF_BLOCK_BYTES:
+            raise ValueError(f"GGUF linear: ggml type {ggml_type} is not 3 (Q4_1) or 8 (Q8_0)")
+        if in_features % GROUP_SIZE or blocks.shape[1] != in_features // GROUP_SIZE * GGUF_BLOCK_BYTES[ggml_type]:
+            raise ValueError(f"GGUF linear: blocks {tuple(blocks.shape)} do not hold rows of {in_features} weights")
+        self.in_features, self.out_features, self.ggml_type = in_features, blocks.shape[0], ggml_type
+        self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
 
-    @classmethod
-    def from_q4_1(
-        cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> Int4Linear:
-        """From llama.cpp Q4_1 blocks (`w = q * d + m` per group of 32): scale d, zero m + 8d."""
-        d, m = d.float(), m.float()
-        return cls(codes, d, m + 8 * d, bias)
-
     def dequantized(self) -> torch.Tensor:
-        """float32 [out, in]: the weight the kernel multiplies by (scales and zeros rounded to bfloat16)."""
-        eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE,
-                                                          self.scales_and_zeros).float().t().contiguous()
+        """float32 [out, in]: the weight the kernel multiplies by (gguf's own dequantization)."""
+        return cpu_ops().gguf_dequantize(self.blocks, self.ggml_type, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        rows = x.reshape(-1, self.in_features).float()
+        y = cpu_ops().gguf_matmul(rows, self.blocks, self.ggml_type)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}, int4"
+        kind = {3: "Q4_1", 8: "Q8_0"}[self.ggml_type]
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"

@@ -56,10 +56,11 @@ def get_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model in eval mode on `device`/`dtype` and fill its weights.
 
-    `gguf_quantized`: on the CPU, a GGUF's Q4_1 projections stay 4-bit (gguf_quantized.py).
-    None (the default) does so when `dtype` is bfloat16: the 4-bit matmul computes in bfloat16,
-    which moves greedy output off the float32 reference (docs/models.md has the measurements),
-    so float32 keeps every weight dequantized and exact. GPUs always get dequantized weights.
+    `gguf_quantized`: on the CPU, a GGUF's Q4_1 and Q8_0 projections and LM head stay in the
+    file's blocks (gguf_quantized.py); their kernel multiplies by gguf's float32 dequantization
+    of each weight in float32, so the result is the dense float32 model's up to the order of
+    sums. None (the default) and True do so on the CPU; False dequantizes every weight. GPUs
+    always get dequantized weights.
     """
     path = resolve_model_path(model)
     fmt = _load_format(path, load_format)
@@ -88,9 +89,7 @@ def get_model(
         missing = sorted(set(dict(net.named_parameters())) - loaded)
         if missing:
             raise ValueError(f"{path}: weights missing from the checkpoint: {missing[:8]}")
-        if gguf_quantized is None:
-            gguf_quantized = dtype == torch.bfloat16
-        if reader is not None and gguf_quantized and torch.device(device).type == "cpu":
+        if reader is not None and gguf_quantized is not False and torch.device(device).type == "cpu":
             keep_gguf_quantized(net, reader, config)
     net.eval().requires_grad_(False)
     return net, config

@@ -24,8 +24,10 @@ from fastdeploy.distributed.parallel_state import all_gather_last_dim, all_reduc
 from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
+from fastdeploy.model_executor.layers.cpu_kernels import cpu_ops, fused_cpu
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.moe import MoEExperts, SparseMoeBlock, expert_weight_slot
+from fastdeploy.model_executor.layers.quantized_linear import GGUFLinear
 from fastdeploy.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -37,9 +39,17 @@ def _fused():
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """`norm(x, residual)`, as one fused kernel on CUDA."""
+    """`norm(x, residual)`, as one fused kernel on CUDA and, in float32 inference, on the CPU."""
     if x.is_cuda:
         return _fused().add_rms_norm(x, residual, norm.weight, norm.eps)
+    if fused_cpu(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        if residual is None:  # x is the caller's residual stream: normalise a copy
+            out = x.clone()
+            cpu_ops().add_rms_norm_(out, x, norm.weight, norm.eps, False)
+            return out
+        # In place: x is the previous sub-block's fresh output, dead after the sum.
+        cpu_ops().add_rms_norm_(x, residual, norm.weight, norm.eps, True)
+        return x, residual
     return norm(x, residual)
 
 
@@ -99,6 +109,12 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if fused_cpu(x) and self.q_norm is None and not meta.prefills and meta.num_decode_tokens == x.shape[0]:
+            # A CPU decode step: RoPE, the cache write and attention in one op.
+            qkv = self.qkv_proj(x)
+            return self.out(cpu_ops().rope_paged_decode(
+                qkv, cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.attn.scale))
         q, k, v = self.qkv(x, cos, sin)
         return self.out(self.attn(q, k, v, kv_cache, meta))
 
@@ -114,6 +130,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:
             return all_reduce(self.down_proj(_fused().silu_mul(gate_up)))
+        if fused_cpu(gate_up) and gate_up.is_contiguous():
+            return all_reduce(self.down_proj(cpu_ops().silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
         return all_reduce(self.down_proj(F.silu(gate) * up))
 
@@ -201,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied models reuse the embedding matrix in compute_logits instead of sharing a
         # Parameter, so tying survives meta-device construction and `to_empty`.
-        self.lm_head: nn.Linear | None = None
+        # A GGUF's quantized LM head stays in its blocks on the CPU (model_loader/gguf_quantized.py).
+        self.lm_head: nn.Linear | GGUFLinear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
 
@@ -216,6 +235,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
+        if isinstance(self.lm_head, GGUFLinear):  # the file's blocks, on the CPU
+            return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if hidden.is_cuda and hidden.dtype != torch.float32:
             # Logits rounded to bf16 (8 mantissa bits: steps of 0.125 between 16 and 32) often
