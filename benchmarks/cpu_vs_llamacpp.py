@@ -1,16 +1,17 @@
 """CPU decode through the server: fastdeploy against llama.cpp on the same GGUF, threads and prompts.
 
     pip install -r requirements-bench.txt        # llama-cpp-python builds llama.cpp (minutes)
-    python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--max-tokens 128] [--requests 8]
+    python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--max-tokens 128] [--requests 8] [--rounds 1]
 
-One run, three servers on the embedded SmolLM2-135M-Instruct Q4_1 GGUF, started and measured in
-turn (only one is up at a time): llama-cpp-python's server (`--n_threads T`), fastdeploy as
-`make serve` starts it (float32, the token-exact path) and fastdeploy with `--dtype bfloat16`
-(the Q4_1 projections stay 4-bit). fastdeploy's torch threads are set to T too. Each server
-gets a single stream (one client, --requests requests one after another) and 16 concurrent
-clients (--requests each); non-streaming chat, greedy, exactly --max-tokens tokens (EOS
-ignored), every request with its own system message. Output tok/s = completion tokens (from
-each response's usage) / wall time of the level. Non-streaming, as an RL rollout asks;
+One run, two servers on the embedded SmolLM2-135M-Instruct Q4_1 GGUF, started and measured in
+turn (only one is up at a time): llama-cpp-python's server (`--n_threads T`) and fastdeploy as
+`make serve` starts it (float32 activations, the GGUF's Q4_1/Q8_0 blocks kept as the file has
+them). fastdeploy's torch threads are set to T too. Each server gets a single stream (one
+client, --requests requests one after another) and 16 concurrent clients (--requests each);
+non-streaming chat, greedy, exactly --max-tokens tokens (EOS ignored), every request with its
+own system message. Output tok/s = completion tokens (from each response's usage) / wall time
+of the level. With --rounds R the servers take turns R times (a shared machine's slow spells
+then fall on both) and each figure is the median of its rounds, the rounds listed beside it. Non-streaming, as an RL rollout asks;
 `benchmarks/serving.py` has the streaming comparison. llama.cpp's server runs with the caller's
 OMP_WAIT_POLICY, not the PASSIVE that importing fastdeploy sets (with it, its single stream ran
 at 25-26 tok/s here, against 38-94 tok/s without).
@@ -47,14 +48,12 @@ TARGETS = {1: 0.67, 16: 2.0}
 
 
 def servers(gguf: str, eos: int, threads: int) -> list[Server]:
-    llama_port, f32_port, bf16_port = free_port(), free_port(), free_port()
+    llama_port, port = free_port(), free_port()
     fastdeploy = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", gguf, "--max-num-seqs", "16"]
     ignore_eos = {"ignore_eos": True, "return_token_ids": True}
     return [
         llamacpp_server(gguf, eos, threads, llama_port),
-        Server("fastdeploy float32", [*fastdeploy, "--port", str(f32_port)], "/health", ignore_eos, f32_port),
-        Server("fastdeploy bf16 + 4-bit", [*fastdeploy, "--port", str(bf16_port), "--dtype", "bfloat16"], "/health",
-               ignore_eos, bf16_port),
+        Server("fastdeploy", [*fastdeploy, "--port", str(port)], "/health", ignore_eos, port),
     ]
 
 
@@ -105,6 +104,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=8, help="requests per client")
+    parser.add_argument("--rounds", type=int, default=1, help="times the servers take turns; figures are medians")
     parser.add_argument("--name", default="cpu_vs_llamacpp")
     args = parser.parse_args()
 
@@ -115,9 +115,18 @@ def main() -> None:
     if info["llama_cpp_python"] is None:
         sys.exit("llama-cpp-python is not installed: pip install -r requirements-bench.txt")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # fastdeploy's torch threads (inherited by its processes)
-    rows: list[dict] = []
-    for server in servers(embedded_model_path(), get_tokenizer(None).eos_token_id, args.threads):
-        rows += measure(server, args)
+    rounds: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(args.rounds):
+        for server in servers(embedded_model_path(), get_tokenizer(None).eos_token_id, args.threads):
+            for row in measure(server, args):
+                rounds.setdefault((row["server"], row["concurrency"]), []).append(row)
+    rows = []
+    for runs in rounds.values():
+        row = dict(sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2])  # the median round
+        row["rounds_tok_s"] = [r["tok_s"] for r in runs]
+        row["failed"] = sum(r["failed"] for r in runs)
+        row["errors"] = [e for r in runs for e in r["errors"]][:3]
+        rows.append(row)
     base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "llama.cpp" and r["tok_s"]}
     for row in rows:
         # No ratio where llama.cpp served nothing (its failures are in the row's "errors").
@@ -129,7 +138,8 @@ def main() -> None:
         if row["errors"]:
             print(f"{row['server']} c={row['concurrency']} errors: {row['errors']}")
     path = write_json(args.name, {"machine": info, "threads": args.threads, "max_tokens": args.max_tokens,
-                                  "requests_per_client": args.requests, "targets": TARGETS, "results": rows})
+                                  "requests_per_client": args.requests, "rounds": args.rounds, "targets": TARGETS,
+                                  "results": rows})
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, concurrency in zip(axes, (1, 16), strict=True):

@@ -8,9 +8,9 @@
 //
 // Three regimes by the number of rows M of x:
 //   M == 1         one pass over the blocks, each dequantized in registers and used at once;
-//   2 <= M <= 32   a thread dequantizes a tile of 8 weight rows into a buffer it reuses for
+//   2 <= M <= 128  a thread dequantizes a tile of 8 weight rows into a buffer it reuses for
 //                  every row of x;
-//   M > 32         (prefill) the whole weight is dequantized once and handed to at::mm.
+//   M > 128        (prefill) the whole weight is dequantized once and handed to at::mm.
 // The AVX2 kernels are chosen at run time; other CPUs take the portable loops.
 
 #include <ATen/ATen.h>
@@ -32,8 +32,8 @@ namespace {
 constexpr int64_t kBlock = 32;       // weights per GGUF block (both types)
 constexpr int64_t kQ4_1Bytes = 20;   // float16 d, float16 m, 16 bytes of two codes each
 constexpr int64_t kQ8_0Bytes = 34;   // float16 d, 32 int8 codes
-constexpr int64_t kTileRows = 8;     // weight rows a thread dequantizes at once for 2 <= M <= 32
-constexpr int64_t kMaxGemvRows = 32;
+constexpr int64_t kTileRows = 8;     // weight rows a thread dequantizes at once for 2 <= M <= 128
+constexpr int64_t kMaxGemvRows = 128;  // past this, one dequantization of the weight pays for at::mm
 
 enum GgufType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
 
@@ -146,18 +146,47 @@ __attribute__((target("avx2,fma,f16c"))) void dequantize_rows_avx2(const uint8_t
 }
 
 // y[m, n] = tile[n - begin] . x[m] for every row m of x (M rows, K floats each, row stride ldy of y).
+// Blocks of 4 rows of x by 2 weight rows share their loads: 6 loads feed 8 FMAs.
 __attribute__((target("avx2,fma"))) void tile_dot_avx2(const float* x, int64_t m_rows, const float* tile,
                                                       int64_t rows, int64_t k, int64_t begin, float* y, int64_t ldy) {
-  for (int64_t m = 0; m < m_rows; ++m) {
-    const float* xm = x + m * k;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* w = tile + r * k;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t j = 0; j < k; j += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(xm + j), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(xm + j + 8), a1);
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const float* w0 = tile + r * k;
+    const float* w1 = w0 + k;
+    int64_t m = 0;
+    for (; m + 4 <= m_rows; m += 4) {
+      __m256 acc[4][2];
+      for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; j += 8) {
+        const __m256 a = _mm256_loadu_ps(w0 + j), b = _mm256_loadu_ps(w1 + j);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 xv = _mm256_loadu_ps(x + (m + i) * k + j);
+          acc[i][0] = _mm256_fmadd_ps(a, xv, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(b, xv, acc[i][1]);
+        }
       }
-      y[m * ldy + begin + r] = hsum(_mm256_add_ps(a0, a1));
+      for (int i = 0; i < 4; ++i) {
+        y[(m + i) * ldy + begin + r] = hsum(acc[i][0]);
+        y[(m + i) * ldy + begin + r + 1] = hsum(acc[i][1]);
+      }
+    }
+    for (; m < m_rows; ++m) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; j += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + m * k + j);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + j), xv, a1);
+      }
+      y[m * ldy + begin + r] = hsum(a0);
+      y[m * ldy + begin + r + 1] = hsum(a1);
+    }
+  }
+  for (; r < rows; ++r) {
+    const float* w = tile + r * k;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      __m256 a0 = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + m * k + j), a0);
+      y[m * ldy + begin + r] = hsum(a0);
     }
   }
 }
