@@ -1,25 +1,23 @@
-"""CPU decode step of the embedded SmolLM2 GGUF: dequantized float32 weights vs 4-bit weights kept quantized.
+"""CPU decode step of the embedded SmolLM2 GGUF: weights dequantized to float32 vs kept in the file's blocks.
 
     python benchmarks/cpu_decode.py [--batch-sizes 1 16] [--steps 32] [--context 128] [--threads 2] [--llm]
 
 Every path loads the same Q4_1/Q8_0 file and runs the same model code in this process:
 
-- float32: every weight dequantized to float32 (`get_model(gguf_quantized=False)`).
-- int4 + float32: the Q4_1 projections kept 4-bit (`layers/quantized_linear.py`, bfloat16
-  activations into the matmul only); norms, attention, KV cache, embedding and LM head float32.
-- bfloat16: every weight dequantized to bfloat16, the whole model in bfloat16.
-- int4 + bfloat16: the 4-bit projections with the rest of the model in bfloat16.
+- float32 dense: every weight dequantized to float32 (`get_model(gguf_quantized=False)`).
+- GGUF blocks (the CPU default): projections and LM head in the file's Q4_1/Q8_0 blocks
+  (`layers/quantized_linear.py`), float32 activations, the fused CPU decode ops.
+- GGUF blocks + bfloat16: the same with the model's dtype bfloat16 (norms, attention, KV cache).
 
 A decode step is what the model runner does per step: the forward pass over one new token
 per sequence (each with `--context` tokens already in the paged KV cache), the float32
 logits and their argmax. All paths stay loaded and take turns, 4 steps at a time, so the load
 of a shared machine falls on each alike. tok/s = batch / median step time over `--steps`
 steps after warm-up; tok_s_best from the fastest step.
-`--llm` also times `LLM.generate` end to end with `dtype="float32"` (the CPU default) and
-`dtype="bfloat16"` (4-bit projections): 16-token prompts, 64 new tokens, greedy, EOS ignored,
-prefill included, after one warm-up call, tok/s = batch * 64 / wall time.
-llama.cpp is not in this run: no llama-cpp-python wheel is published for this platform and
-building it from source is out of scope here; benchmarks/offline_throughput.py has it.
+`--llm` also times `LLM.generate` end to end (the default path): 16-token prompts, 64 new
+tokens, greedy, EOS ignored, prefill included, after one warm-up call, tok/s = batch * 64 /
+wall time. llama.cpp is in benchmarks/cpu_vs_llamacpp.py (through each server) and
+benchmarks/offline_throughput.py (in process).
 """
 
 from __future__ import annotations
@@ -41,12 +39,11 @@ from fastdeploy.model_executor.model_loader import get_model  # noqa: E402
 
 BLOCK_SIZE = 16
 ROUND_STEPS = 4
-# name -> (get_model dtype, keep the GGUF's Q4_1 projections 4-bit)
+# name -> (get_model dtype, keep the GGUF's Q4_1/Q8_0 weights in their blocks)
 PATHS = {
-    "float32": (torch.float32, False),
-    "int4 + float32": (torch.float32, True),
-    "bfloat16": (torch.bfloat16, False),
-    "int4 + bfloat16": (torch.bfloat16, True),
+    "float32 dense": (torch.float32, False),
+    "GGUF blocks": (torch.float32, True),
+    "GGUF blocks + bfloat16": (torch.bfloat16, True),
 }
 
 
@@ -79,11 +76,11 @@ class DecodeSteps:
         return times
 
 
-def llm_tok_s(dtype: str, batch_sizes: list[int], new_tokens: int = 64) -> dict[int, float]:
+def llm_tok_s(batch_sizes: list[int], new_tokens: int = 64) -> dict[int, float]:
     """End-to-end `LLM.generate` throughput per batch size (engine, scheduler, sampler included)."""
     from fastdeploy import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype)
+    llm = LLM()
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     result = {}
     for batch in batch_sizes:
@@ -103,7 +100,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--paths", nargs="*", choices=list(PATHS), default=list(PATHS))
-    parser.add_argument("--llm", action="store_true", help="also time LLM.generate with dtype float32 and bfloat16")
+    parser.add_argument("--llm", action="store_true", help="also time LLM.generate (the CPU default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     info = machine_info()
@@ -128,7 +125,7 @@ def main() -> None:
         median = statistics.median(t)
         rows.append({"path": name, "batch": batch, "step_ms": median * 1e3, "tok_s": batch / median,
                      "step_ms_min": min(t) * 1e3, "tok_s_best": batch / min(t)})
-    base = {r["batch"]: r["tok_s"] for r in rows if r["path"] == "float32"}
+    base = {r["batch"]: r["tok_s"] for r in rows if r["path"] == "float32 dense"}
     for r in rows:
         r["vs_float32"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
     if rows:
@@ -136,10 +133,9 @@ def main() -> None:
 
     llm_rows = []
     if args.llm:
-        for dtype in ("float32", "bfloat16"):
-            for batch, tok_s in llm_tok_s(dtype, args.batch_sizes).items():
-                llm_rows.append({"LLM dtype": dtype, "batch": batch, "tok_s": tok_s})
-        print_table(llm_rows, ["LLM dtype", "batch", "tok_s"])
+        for batch, tok_s in llm_tok_s(args.batch_sizes).items():
+            llm_rows.append({"LLM": "default (float32, GGUF blocks)", "batch": batch, "tok_s": tok_s})
+        print_table(llm_rows, ["LLM", "batch", "tok_s"])
     payload = {"machine": info, "args": vars(args), "rows": rows, "llm": llm_rows}
     print("wrote", write_json("cpu_decode", payload))
     if not args.paths:

@@ -11,10 +11,11 @@ client, --requests requests one after another) and 16 concurrent clients (--requ
 non-streaming chat, greedy, exactly --max-tokens tokens (EOS ignored), every request with its
 own system message. Output tok/s = completion tokens (from each response's usage) / wall time
 of the level. With --rounds R the servers take turns R times (a shared machine's slow spells
-then fall on both) and each figure is the median of its rounds, the rounds listed beside it. Non-streaming, as an RL rollout asks;
-`benchmarks/serving.py` has the streaming comparison. llama.cpp's server runs with the caller's
-OMP_WAIT_POLICY, not the PASSIVE that importing fastdeploy sets (with it, its single stream ran
-at 25-26 tok/s here, against 38-94 tok/s without).
+then fall on both) and each figure is the median of its rounds, the rounds listed beside it.
+Non-streaming, as an RL rollout asks; `benchmarks/serving.py` has the streaming comparison.
+llama.cpp's server runs with the caller's OMP_WAIT_POLICY, not the PASSIVE that importing
+fastdeploy sets (with it, its single stream ran at 25-26 tok/s on an Intel VM, against 38-94
+tok/s without).
 
 Targets (the CPU-speed issue): single stream >= 0.67x llama.cpp (stretch 1.0x), 16 concurrent
 >= 2x llama.cpp's server. Writes benchmarks/results/cpu_vs_llamacpp.json and a PNG.

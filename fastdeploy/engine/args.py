@@ -87,8 +87,7 @@ class EngineArgs:
                             help="how to read weights; 'dummy' gives random weights of the model's config")
         parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype,
                             help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU. "
-                                 "bfloat16 on CPU keeps a GGUF's Q4_1 projections 4-bit (int4 weight-only matmul, "
-                                 "about 2x the float32 decode speed, not token-exact against float32)")
+                                 "On CPU a GGUF's Q4_1/Q8_0 weights stay in the file's blocks whatever the dtype")
         parser.add_argument("--device", default=d.device, help="cpu or cuda")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from fastdeploy.model_executor.layers.quantized_linear import GGUF_BLOCK_BYTES, GGUFLinear
-from fastdeploy.model_executor.model_loader import embedded_model_path, get_model
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
+from fastdeploy.model_executor.layers.quantized_linear import GGUF_BLOCK_BYTES, GGUFLinear
+from fastdeploy.model_executor.model_loader import embedded_model_path, get_model
 
 Q4_1, Q8_0 = 3, 8
 BLOCK_SIZE = 16
