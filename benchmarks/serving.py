@@ -34,17 +34,19 @@ from dataclasses import dataclass, field
 
 import httpx
 
-# Importing fastdeploy sets OMP_WAIT_POLICY=PASSIVE (its own processes must not spin on cores
-# other processes need); llama.cpp's OpenMP threads pass many barriers per token and run several
-# times slower with it, so llama.cpp's server gets the environment the user started with.
-_USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+# Importing fastdeploy sets OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT (its own processes must not
+# spin long on cores other processes need); llama.cpp's OpenMP threads pass many barriers per token
+# and run several times slower with PASSIVE, so llama.cpp's server gets the environment the user
+# started with.
+_USER_OMP_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
 
 def llamacpp_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    if _USER_OMP_WAIT_POLICY is not None:
-        env["OMP_WAIT_POLICY"] = _USER_OMP_WAIT_POLICY
+    for name, value in _USER_OMP_ENV.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     return env
 
 
