@@ -5,6 +5,7 @@
 Every path loads the same Q4_1/Q8_0 file and runs the same model code in this process:
 
 - float32 dense: every weight dequantized to float32 (`get_model(gguf_quantized=False)`).
+- bfloat16 dense: every weight dequantized to bfloat16, the whole model in bfloat16.
 - GGUF blocks (the CPU default): projections and LM head in the file's Q4_1/Q8_0 blocks
   (`layers/quantized_linear.py`), float32 activations, the fused CPU decode ops.
 - GGUF blocks + bfloat16: the same with the model's dtype bfloat16 (norms, attention, KV cache).
@@ -42,6 +43,7 @@ ROUND_STEPS = 4
 # name -> (get_model dtype, keep the GGUF's Q4_1/Q8_0 weights in their blocks)
 PATHS = {
     "float32 dense": (torch.float32, False),
+    "bfloat16 dense": (torch.bfloat16, False),
     "GGUF blocks": (torch.float32, True),
     "GGUF blocks + bfloat16": (torch.bfloat16, True),
 }
