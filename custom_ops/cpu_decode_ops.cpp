@@ -1,7 +1,7 @@
 // The small per-layer ops of a CPU decode step, each one call instead of the 5-20 PyTorch ops
 // it replaces (at batch 1 the step's time went to dispatching those, not to arithmetic):
 //
-//   add_rms_norm_         residual += x (or residual = x), x = RMSNorm(residual) * weight
+//   add_rms_norm_         residual += x where a residual is given, x = RMSNorm(residual, else x) * weight
 //   silu_mul              silu(gate) * up of a fused [T, 2I] gate/up output
 //   rope_paged_decode     RoPE of this step's q/k, k/v written to the paged cache, and attention
 //                         of each decode token over its sequence's cached tokens
@@ -17,11 +17,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace fastdeploy_ops {
 namespace {
@@ -36,10 +35,14 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
-void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps, bool add) {
+void add_rms_norm_(at::Tensor& x, const std::optional<at::Tensor>& residual_in, const at::Tensor& weight,
+                   double eps) {
   check_float_cpu(x, "x");
-  check_float_cpu(residual, "residual");
   check_float_cpu(weight, "weight");
+  const bool add = residual_in.has_value();
+  // Without a residual, x is its own: the sum below reads and writes x.
+  at::Tensor residual = add ? *residual_in : x;
+  check_float_cpu(residual, "residual");
   const int64_t h = weight.numel();
   TORCH_CHECK(x.numel() % h == 0 && x.numel() == residual.numel(), "add_rms_norm_: shapes do not match");
   const int64_t rows = x.numel() / h;
@@ -82,7 +85,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef FD_X86
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -90,10 +93,7 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
   }
-  const __m256 v = _mm256_add_ps(acc0, acc1);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  float sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  float sum = hsum(_mm256_add_ps(acc0, acc1));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -104,15 +104,9 @@ __attribute__((target("avx2,fma"))) void axpy_avx2(float* y, float a, const floa
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
-
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #else
 float dot_avx2(const float*, const float*, int64_t) { return 0.f; }
 void axpy_avx2(float*, float, const float*, int64_t) {}
-bool has_avx2() { return false; }
 #endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -234,7 +228,7 @@ at::Tensor rope_paged_decode(at::Tensor& qkv, const at::Tensor& cos, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastdeploy_cpu, m) {
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool add) -> ()");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
       "rope_paged_decode(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "

@@ -21,10 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define FD_X86 1
-#endif
+#include "cpu_simd.h"
 
 namespace fastdeploy_ops {
 namespace {
@@ -108,12 +105,6 @@ __attribute__((target("avx2,fma,f16c"))) inline void dequantize_block_avx2(const
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // y[n] = w[n] . x for rows [begin, end) of w, x one row of K floats.
 __attribute__((target("avx2,fma,f16c"))) void gemv_avx2(const float* x, const uint8_t* blocks, int64_t type,
                                                         int64_t k, int64_t begin, int64_t end, float* y) {
@@ -190,14 +181,6 @@ __attribute__((target("avx2,fma"))) void tile_dot_avx2(const float* x, int64_t m
     }
   }
 }
-
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-#else
-bool has_avx2() { return false; }
 #endif
 
 void dequantize_rows(const uint8_t* blocks, int64_t type, int64_t k, int64_t begin, int64_t end, float* out) {

@@ -9,6 +9,7 @@ weight instead of 32; that read is most of a small model's CPU decode step.
 
 from __future__ import annotations
 
+import gguf
 import torch
 from torch import nn
 
@@ -47,5 +48,5 @@ class GGUFLinear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kind = {3: "Q4_1", 8: "Q8_0"}[self.ggml_type]
+        kind = gguf.GGMLQuantizationType(self.ggml_type).name
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"

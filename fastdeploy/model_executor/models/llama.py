@@ -45,10 +45,10 @@ def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
     if fused_cpu(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         if residual is None:  # x is the caller's residual stream: normalise a copy
             out = x.clone()
-            cpu_ops().add_rms_norm_(out, x, norm.weight, norm.eps, False)
+            cpu_ops().add_rms_norm_(out, None, norm.weight, norm.eps)
             return out
         # In place: x is the previous sub-block's fresh output, dead after the sum.
-        cpu_ops().add_rms_norm_(x, residual, norm.weight, norm.eps, True)
+        cpu_ops().add_rms_norm_(x, residual, norm.weight, norm.eps)
         return x, residual
     return norm(x, residual)
 
