@@ -48,7 +48,7 @@ from benchmarks.serving import TOPICS, Server  # noqa: E402
 def in_process_tp(args: argparse.Namespace) -> list[dict]:
     cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "tensor_parallel.py"), "--model", args.model,
            "--device", args.device, "--dtype", args.dtype, "--tp", "1", "2", "--batches", *map(str, args.batches),
-           "--name", f"{args.name}_tp"]
+           "--name", f"{args.name}_tp", *(["--device-timeline"] if args.device.startswith("cuda") else [])]
     subprocess.run(cmd, check=True)
     with open(os.path.join(RESULTS_DIR, f"{args.name}_tp.json")) as f:
         return json.load(f)["rows"]
@@ -127,15 +127,21 @@ def main() -> None:
     info = machine_info()
     print_machine(info)
     tp_rows = [] if args.skip_in_process else in_process_tp(args)
-    server_rows = [server_run(args, "one_replica", []),
-                   server_run(args, "dp2_ray", ["--data-parallel-size", "2", "--data-parallel-backend", "ray"]),
-                   server_run(args, "tp2", ["--tensor-parallel-size", "2"])]
-    one, dp, tp2 = (r["tok_s"] for r in server_rows)
-    summary = {"server_dp2_over_one": dp / one, "server_tp2_over_tp1": tp2 / one}
+    server_rows: list[dict] = []
+    summary: dict[str, float] = {}
     for batch in args.batches:
         rows = {r["tp"]: r["decode_tok_s"] for r in tp_rows if r["batch"] == batch}
         if 1 in rows and 2 in rows:
             summary[f"tp2_over_tp1_batch_{batch}"] = rows[2] / rows[1]
+    servers = {"one_replica": [], "dp2_ray": ["--data-parallel-size", "2", "--data-parallel-backend", "ray"],
+               "tp2": ["--tensor-parallel-size", "2"]}
+    for name, extra in servers.items():
+        # Written after every part, so a run cut short keeps what it measured.
+        write_json(args.name, {"machine": info, "args": vars(args), "in_process_tp": tp_rows,
+                               "server": server_rows, "summary": summary})
+        server_rows.append(server_run(args, name, extra))
+    one, dp, tp2 = (r["tok_s"] for r in server_rows)
+    summary.update({"server_dp2_over_one": dp / one, "server_tp2_over_tp1": tp2 / one})
     if tp_rows:
         print_table(tp_rows, [k for k in tp_rows[0] if not isinstance(tp_rows[0][k], (list, dict))])
     print_table(server_rows, ["server", "tokens", "wall_s", "tok_s"])

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -83,9 +84,33 @@ def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
                          "decode_tok_s": batch * (args.max_tokens - 1) / decode})
             print(f"tp={tp} batch={batch}: decode {rows[-1]['decode_tok_s']:.1f} tok/s, "
                   f"step {rows[-1]['decode_step_ms']:.2f} ms", flush=True)
+            if args.device_timeline and args.device.startswith("cuda"):
+                rows[-1].update(device_timeline(lambda b=batch: generate(b, 17), 16))
+                print(f"  rank 0 device busy {rows[-1]['device_busy_ms']:.2f} ms a step, of which "
+                      f"all-reduce {rows[-1]['allreduce_ms']:.2f} ms", flush=True)
     finally:
         core.shutdown()
     return rows
+
+
+def device_timeline(run: Callable[[], object], steps: int) -> dict:
+    """Rank 0's kernels over one profiled generation: device-busy time per step (the union of
+    kernel intervals, so overlapping streams count once) and the all-reduce kernels' share; the
+    rest of the step's wall time is the device waiting for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy = allreduce = 0.0
+    last_end = float("-inf")
+    for start, end, name in intervals:
+        busy += max(0.0, end - max(start, last_end))
+        last_end = max(last_end, end)
+        if "allreduce" in name.lower().replace("_", "") or "all_reduce" in name.lower():
+            allreduce += end - start
+    return {"device_busy_ms": busy / 1e3 / steps, "allreduce_ms": allreduce / 1e3 / steps}
 
 
 def plot(rows: list[dict], title: str, name: str) -> str:
@@ -116,6 +141,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="tensor_parallel")
+    parser.add_argument("--device-timeline", action="store_true",
+                        help="CUDA: also profile one generation per batch on rank 0 (device-busy ms a step)")
     parser.add_argument("--only-tp", type=int, default=None, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
