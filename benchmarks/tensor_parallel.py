@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,7 +33,7 @@ import torch
 from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json
 
 
-def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
+def run_one_size(args: argparse.Namespace, tp: int, nccl_only: bool = False) -> list[dict]:
     """Every batch at one tensor-parallel size, in this process."""
     from fastdeploy.common.request import EngineRequest
     from fastdeploy.common.sampling_params import SamplingParams
@@ -43,7 +44,7 @@ def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
     from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config
 
     config = EngineArgs(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
-                        tensor_parallel_size=tp, max_num_seqs=max(args.batches),
+                        tensor_parallel_size=tp, disable_custom_all_reduce=nccl_only, max_num_seqs=max(args.batches),
                         max_model_len=args.prompt_len + args.max_tokens + 16,
                         max_num_batched_tokens=max(args.batches) * args.prompt_len,
                         guided_decoding_backend="off").create_engine_config()
@@ -53,7 +54,9 @@ def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
     counter = iter(range(1 << 30))
     rows = []
 
-    def generate(batch: int, max_tokens: int) -> tuple[float, float]:
+    def generate(batch: int, max_tokens: int, watch: Callable[[], AbstractContextManager] = nullcontext
+                 ) -> tuple[float, float]:
+        """Prefill and first tokens, then the decode steps (under `watch`); wall seconds of each."""
         prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
         ids = [f"r{next(counter)}" for _ in prompts]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -61,12 +64,14 @@ def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
             core.add_request(EngineRequest(rid, prompt, params))
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         start = time.perf_counter()
-        first = None
-        while core.has_work():
+        while not all(tokens.values()):
             for delta in core.step():
                 tokens[delta.request_id].extend(delta.token_ids)
-            if first is None and all(tokens.values()):
-                first = time.perf_counter()
+        first = time.perf_counter()
+        with watch():
+            while core.has_work():
+                for delta in core.step():
+                    tokens[delta.request_id].extend(delta.token_ids)
         end = time.perf_counter()
         return first - start, end - first
 
@@ -79,46 +84,86 @@ def run_one_size(args: argparse.Namespace, tp: int) -> list[dict]:
                 prefill_s.append(p)
                 decode_s.append(d)
             decode = statistics.median(decode_s)
-            rows.append({"tp": tp, "batch": batch, "first_step_ms": statistics.median(prefill_s) * 1e3,
+            how = "nccl" if nccl_only else ("custom" if tp > 1 else "-")
+            rows.append({"tp": tp, "all_reduce": how, "batch": batch,
+                         "first_step_ms": statistics.median(prefill_s) * 1e3,
                          "decode_step_ms": decode / (args.max_tokens - 1) * 1e3,
                          "decode_tok_s": batch * (args.max_tokens - 1) / decode})
-            print(f"tp={tp} batch={batch}: decode {rows[-1]['decode_tok_s']:.1f} tok/s, "
+            print(f"tp={tp} ({rows[-1]['all_reduce']}) batch={batch}: decode {rows[-1]['decode_tok_s']:.1f} tok/s, "
                   f"step {rows[-1]['decode_step_ms']:.2f} ms", flush=True)
             if args.device_timeline and args.device.startswith("cuda"):
-                rows[-1].update(device_timeline(lambda b=batch: generate(b, 17), 16))
-                print(f"  rank 0 device busy {rows[-1]['device_busy_ms']:.2f} ms a step, of which "
-                      f"all-reduce {rows[-1]['allreduce_ms']:.2f} ms", flush=True)
+                rows[-1].update(device_timeline(lambda w, b=batch: generate(b, args.max_tokens, w),
+                                                args.max_tokens - 1))
+                row = rows[-1]
+                print(f"  rank 0 decode: device busy {row['device_busy_ms']:.2f} ms a step "
+                      f"(all-reduce kernels {row['allreduce_ms']:.2f} ms), wall {row['profiled_step_ms']:.2f} ms",
+                      flush=True)
+            if args.host_profile:
+                print(host_profile(lambda w, b=batch: generate(b, args.max_tokens, w)), flush=True)
     finally:
         core.shutdown()
     return rows
 
 
-def device_timeline(run: Callable[[], object], steps: int) -> dict:
-    """Rank 0's kernels over one profiled generation: device-busy time per step (the union of
-    kernel intervals, so overlapping streams count once) and the all-reduce kernels' share; the
-    rest of the step's wall time is the device waiting for the host."""
+def device_timeline(run: Callable[[Callable[[], AbstractContextManager]], tuple[float, float]], steps: int) -> dict:
+    """Rank 0's kernels over the decode steps of one generation: device-busy time a step (the
+    union of kernel intervals, so overlapping streams count once) and the all-reduce kernels'
+    share (an all-reduce kernel also waits for the slower rank). The rest of the step's wall time
+    is the device waiting for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+    holder: dict = {}
+
+    @contextmanager
+    def watch() -> Iterator[None]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield
+        holder["prof"] = prof
+
+    _, decode_s = run(watch)
+    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in holder["prof"].events()
                        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     busy = allreduce = 0.0
     last_end = float("-inf")
     for start, end, name in intervals:
         busy += max(0.0, end - max(start, last_end))
         last_end = max(last_end, end)
-        if "allreduce" in name.lower().replace("_", "") or "all_reduce" in name.lower():
+        if "allreduce" in name.lower().replace("_", ""):
             allreduce += end - start
-    return {"device_busy_ms": busy / 1e3 / steps, "allreduce_ms": allreduce / 1e3 / steps}
+    return {"device_busy_ms": busy / 1e3 / steps, "allreduce_ms": allreduce / 1e3 / steps,
+            "profiled_step_ms": decode_s / steps * 1e3}
+
+
+def host_profile(run: Callable[[Callable[[], AbstractContextManager]], tuple[float, float]], top: int = 25) -> str:
+    """cProfile of rank 0's host over the decode steps of one generation: where the step's
+    Python time goes, by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+
+    @contextmanager
+    def watch() -> Iterator[None]:
+        profiler.enable()
+        try:
+            yield
+        finally:
+            profiler.disable()
+
+    run(watch)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def plot(rows: list[dict], title: str, name: str) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for tp in sorted({r["tp"] for r in rows}):
-        pts = [r for r in rows if r["tp"] == tp]
-        ax.plot([r["batch"] for r in pts], [r["decode_tok_s"] for r in pts], marker="o", label=f"tp={tp}")
+    for tp, how in dict.fromkeys((r["tp"], r.get("all_reduce", "-")) for r in rows):
+        pts = [r for r in rows if r["tp"] == tp and r.get("all_reduce", "-") == how]
+        label = f"tp={tp}" + (f" ({how})" if how != "-" else "")
+        ax.plot([r["batch"] for r in pts], [r["decode_tok_s"] for r in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch")
@@ -143,13 +188,18 @@ def main() -> None:
     parser.add_argument("--name", default="tensor_parallel")
     parser.add_argument("--device-timeline", action="store_true",
                         help="CUDA: also profile one generation per batch on rank 0 (device-busy ms a step)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also print a cProfile of rank 0's host over one generation's decode steps per batch")
+    parser.add_argument("--compare-nccl", action="store_true",
+                        help="also run each size > 1 with --disable-custom-all-reduce (NCCL for every all-reduce)")
     parser.add_argument("--only-tp", type=int, default=None, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--only-nccl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.only_tp is not None:
         with open(args.rows_out, "w") as f:
-            json.dump(run_one_size(args, args.only_tp), f)
+            json.dump(run_one_size(args, args.only_tp, args.only_nccl), f)
         return
 
     info = machine_info()
@@ -157,10 +207,13 @@ def main() -> None:
     if args.device.startswith("cuda"):
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     rows: list[dict] = []
-    for tp in args.tp:
+    runs = [(tp, False) for tp in args.tp] + [(tp, True) for tp in args.tp if tp > 1 and args.compare_nccl]
+    for tp, nccl_only in runs:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-tp", str(tp), "--rows-out", out], check=True)
+        child = [a for a in sys.argv[1:] if a != "--compare-nccl"]
+        subprocess.run([sys.executable, __file__, *child, "--only-tp", str(tp), "--rows-out", out,
+                        *(["--only-nccl"] if nccl_only else [])], check=True)
         with open(out) as f:
             rows.extend(json.load(f))
         os.unlink(out)
@@ -169,7 +222,7 @@ def main() -> None:
     for r in rows:
         ref = base[r["batch"]]
         r["speedup"] = r["decode_tok_s"] / ref["decode_tok_s"]
-    print_table(rows, ["tp", "batch", "first_step_ms", "decode_step_ms", "decode_tok_s", "speedup"])
+    print_table(rows, ["tp", "all_reduce", "batch", "first_step_ms", "decode_step_ms", "decode_tok_s", "speedup"])
     print(write_json(args.name, {"benchmark": "tensor_parallel", "machine": info, "args": vars(args), "rows": rows}))
     print(plot(rows, f"Tensor parallel decode, {args.model} dummy, {args.dtype}", args.name))
 

@@ -106,6 +106,7 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     tensor_parallel_size: int = 1  # worker processes (GPUs) the model's layers are split over
+    disable_custom_all_reduce: bool = False  # CUDA TP: NCCL for every all-reduce, not the peer-to-peer kernels
     seed: int = 0
     max_logprobs: int = 20
     enable_keep_sampling_mask: bool = False

@@ -20,6 +20,7 @@ class EngineArgs:
     device: str = "cpu"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
     seed: int = 0
     max_num_seqs: int = 64
     max_model_len: int = 2048
@@ -49,6 +50,7 @@ class EngineArgs:
             device=self.device,
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
+            disable_custom_all_reduce=self.disable_custom_all_reduce,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             enable_keep_sampling_mask=self.enable_keep_sampling_mask,
@@ -94,6 +96,9 @@ class EngineArgs:
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                             help="split each layer over this many worker processes, one per GPU (torch.distributed: "
                                  "NCCL on CUDA, gloo on CPU); must divide the attention heads, KV heads and MLP width")
+        parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                            help="CUDA tensor parallelism: NCCL for every all-reduce instead of the peer-to-peer "
+                                 "kernels of PyTorch's symmetric memory for messages up to 8 MiB")
         parser.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most sequences decoded together in one step")

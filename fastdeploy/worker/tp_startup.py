@@ -30,7 +30,7 @@ def start_tensor_parallel(config: EngineConfig, rank: int, dist_init_file: str |
         if device.type == "cuda":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        init_tensor_parallel(rank, tp, dist_init_file, device)
+        init_tensor_parallel(rank, tp, dist_init_file, device, custom_all_reduce=not config.disable_custom_all_reduce)
     return device
 
 
