@@ -1,8 +1,8 @@
 """Tensor-parallel process group of the worker processes (one per GPU), through torch.distributed.
 
-Model tensors go through the group's backend (NCCL on CUDA, gloo on CPU); the step
-plan that rank 0 hands the other ranks goes through a separate gloo group on the CPU,
-so control messages never touch device memory. Without `init_tensor_parallel` the
+Model tensors go through the group's backend (NCCL on CUDA, gloo on CPU); small
+control values (the KV pool every rank can hold) go through a separate gloo group on the
+CPU, so they never touch device memory. Without `init_tensor_parallel` the
 size is 1 and every collective here is a no-op.
 
 On CUDA the row-parallel all-reduces of a decode step are small (a few KiB to a few MiB) and
@@ -141,19 +141,6 @@ def all_reduce_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
     return int(t.item())
-
-
-def broadcast_bytes(payload: bytes | None) -> bytes:
-    """Rank 0 sends `payload`; every rank returns it (control messages, over the CPU group)."""
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=_STATE.cpu_group)
-    if _STATE.rank == 0:
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-    if buf.numel():
-        dist.broadcast(buf, src=0, group=_STATE.cpu_group)
-    return buf.numpy().tobytes()
 
 
 def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:

@@ -70,6 +70,8 @@ class ModelRunner:
         times = StartupTimes()
         with times.phase("tensor parallel"):
             self.device = start_tensor_parallel(config, rank, dist_init_file)
+            # Made before the collectives below, so every follower is connected when rank 0 first sends.
+            self._plans = PlanChannel(dist_init_file)
         self.dtype = _DTYPES[resolve_dtype(config.dtype, config.device)]
         torch.manual_seed(config.seed)
         with times.phase("weights"):
@@ -96,7 +98,6 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         # Chosen once: the packer for the device the sampler's output lives on (rank 0 samples).
         self.packer: StepPacker | None = choose_packer(self.device) if rank == 0 else None
-        self._plans = PlanChannel()
         spec = config.speculative
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
             if spec is not None and spec.method == "ngram" else None
@@ -338,6 +339,7 @@ class ModelRunner:
         other ranks' `follow` loops). The CUDA graphs go first: graphs holding captured NCCL
         collectives keep a communicator from tearing down (pytorch/pytorch#115388)."""
         self._plans.release_followers()
+        self._plans.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.cuda_graphs = None
