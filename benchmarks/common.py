@@ -41,13 +41,28 @@ def _version(module: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on; stored in every result file."""
-    import torch
+    return {**_machine_only(), "git_commit": benchmark_commit()}
 
+
+def benchmark_commit() -> str | None:
+    """The commit measured: BENCH_COMMIT where a copied tree's .git is not the tree's own (a device
+    machine gets the working tree, not its history); else HEAD, marked "+dirty" when the tracked
+    files differ from it."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                                 capture_output=True, text=True, timeout=5).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:
-        commit = None
+        return None
+    return f"{commit}+dirty" if commit and dirty else commit
+
+
+def _machine_only() -> dict[str, Any]:
+    import torch
+
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_model(),
@@ -58,7 +73,6 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": _version("transformers"),
         "llama_cpp_python": _version("llama_cpp"),
-        "git_commit": commit,
     }
 
 

@@ -57,11 +57,13 @@ def test_two_replicas_use_both_gpus_and_answer_as_one_engine(tmp_path, monkeypat
             if backend == "ray":
                 ray.shutdown()
 
+    before = free_bytes()  # first: an engine that just stopped may not have given its memory back yet
     expected = asyncio.run(alone())
-    before = free_bytes()
     answers, during = asyncio.run(two_replicas())
     used = [b - d for b, d in zip(before, during, strict=True)]
     assert all(u >= MIN_USED_BYTES for u in used), f"bytes taken on each GPU while serving: {used}"
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers, expected, strict=True):
         assert tokens == want_tokens
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-5, rtol=0)
+        # Each replica batches its share of the prompts, so the matrix products run at other row
+        # counts than in the single engine (cuBLAS may pick other kernels): float32 rounding only.
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
