@@ -8,8 +8,9 @@ size is 1 and every collective here is a no-op.
 On CUDA the row-parallel all-reduces of a decode step are small (a few KiB to a few MiB) and
 NCCL's latency dominates them (about 12 us a call on two NVLink GPUs, two calls a layer).
 `SymmetricAllReduce` runs them instead through PyTorch's symmetric memory: every rank's buffer
-is mapped into its peers, and one kernel reads the peers' halves directly (one-shot for small
-messages, two-shot, reduce-scatter then all-gather, for larger ones): 7-15 us a call measured
+is mapped into its peers, and one kernel reads the peers' data directly (one-shot: each rank
+reads every peer's whole message, for small ones; two-shot: each rank reduces its share, then
+gathers the others' shares, for larger ones): 7-15 us a call on two H200s
 (benchmarks/allreduce.py). Messages over its buffer, other dtypes and CPU tensors go to NCCL/gloo.
 """
 

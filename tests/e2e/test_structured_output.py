@@ -147,11 +147,9 @@ def test_slow_compile_does_not_stall_other_streams(server, async_client):
     (t0, t1), stamps = asyncio.run(main())
     assert t1 - t0 > 1.0, "the schema compiled too fast to test anything"
     for s in stamps:
-        before = [b - a for a, b in zip(s, s[1:], strict=False) if b < t0]
         during = [b - a for a, b in zip(s, s[1:], strict=False) if t0 <= a and b <= t1]
         assert during, "no tokens streamed while the grammar compiled"
-        base = sorted(before)[len(before) // 2]
-        mid = sorted(during)[len(during) // 2]
-        # Only the constrained request waits. The compile shares 2 cores with the model, so
-        # some slowdown is physics; a stalled step loop would show as no tokens at all.
-        assert mid < 3 * base, (base, mid)
+        # Only the constrained request waits. The compile shares the cores with the model, so the
+        # other streams slow down (how much depends on the machine); a stalled step loop would
+        # show as one gap as long as the compile, so no gap may come near it.
+        assert max(during) < (t1 - t0) / 3, (max(during), t1 - t0)

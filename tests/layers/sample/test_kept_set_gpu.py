@@ -223,7 +223,7 @@ def interpreted_top_k_near_candidate_limit() -> None:
     buffer: the count search must still settle every row."""
     ksg.CANDIDATES = 64
     rng = np.random.default_rng(4)
-    x = torch.from_numpy((rng.standard_normal((8, 3000)) * 3).astype(np.float32))
+    x = torch.from_numpy((rng.standard_normal((8, 1200)) * 3).astype(np.float32))
     x[6:] = 0.0
     x[6:, 0], x[6:, 10:20], x[6:, 100:600] = 1.5, 1.0, 0.5  # the 20th entry sits in a run of 500
     t = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.0])
@@ -408,7 +408,7 @@ def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
         core = EngineCore(config, InProcessExecutor(config))
         mixes = [{"top_p": 0.9}, {"top_k": 50, "temperature": 0.8}, {"top_p": 0.95, "min_p": 0.01}, {"top_k": 200}]
         for i, mix in enumerate(mixes):
-            params = SamplingParams(max_tokens=6, ignore_eos=True, seed=7 + i, **mix)
+            params = SamplingParams(max_tokens=3, ignore_eos=True, seed=7 + i, **mix)
             core.add_request(EngineRequest(f"r{i}", [3 + i, 17, 42, 5 * i + 1], params, 0.0))
         out: dict[str, tuple[list[int], list, list[float]]] = {}
         try:
