@@ -9,7 +9,8 @@
 2. Through the server, --clients streaming clients (EOS ignored, --server-tokens tokens each,
    --server-requests requests per client), one server at a time:
    - one replica, TP=1 (GPU 0);
-   - DP=2 over Ray (`--data-parallel-size 2 --data-parallel-backend ray`, one GPU each);
+   - DP=2 over Ray (`--data-parallel-size 2 --data-parallel-backend ray`, one GPU each), under the
+     same load and, with --dp-double-load, under twice the clients (each replica loaded as the one);
    - TP=2 (`--tensor-parallel-size 2`).
    Output tok/s of each; the ratios DP=2 / one replica and TP=2 / TP=1.
 
@@ -119,21 +120,23 @@ def load(server: Server, clients: int, per_client: int, max_tokens: int, stream:
     return {"tokens": tokens, "wall_s": span, "tok_s": tokens / span, "api_cpu_share": cpu / wall}
 
 
-def server_run(args: argparse.Namespace, name: str, extra: list[str]) -> list[dict]:
+def server_run(args: argparse.Namespace, name: str, extra: list[str], clients: int) -> list[dict]:
+    """`clients` concurrent clients against one server; its --max-num-seqs is a replica's share."""
     port = free_port()
+    per_replica = clients // 2 if "--data-parallel-size" in extra else clients
     cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", args.model, "--load-format", "dummy",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port),
-           "--max-num-seqs", str(max(args.clients, 8)), *shlex.split(args.server_args), *extra]
+           "--max-num-seqs", str(max(per_replica, 8)), *shlex.split(args.server_args), *extra]
     server = Server(f"{args.name}-{name}", cmd, "/health", {}, port)
     os.makedirs(os.path.join(RESULTS_DIR, "logs"), exist_ok=True)
     server.start(os.path.join(RESULTS_DIR, "logs", f"{args.name}-{name}.log"), timeout_s=1200)
     rows = []
     try:
-        load(server, args.clients, 1, 8, True, args.client_processes)  # every batch size compiled first
+        load(server, clients, 1, 8, True, args.client_processes)  # every batch size compiled first
         for mode in args.modes:
-            row = load(server, args.clients, args.server_requests, args.server_tokens, mode == "stream",
+            row = load(server, clients, args.server_requests, args.server_tokens, mode == "stream",
                        args.client_processes)
-            rows.append({"server": name, "mode": mode, **row})
+            rows.append({"server": name, "mode": mode, "clients": clients, **row})
             print(f"{name} {mode}: {row['tok_s']:.0f} tok/s, API process CPU {row['api_cpu_share']:.2f}", flush=True)
     finally:
         server.stop()
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", choices=["stream", "nonstream"], default=["stream", "nonstream"],
                     help="streamed completions (one event a token) and/or whole answers")
     ap.add_argument("--client-processes", type=int, default=8, help="processes the clients are spread over")
+    ap.add_argument("--dp-double-load", action="store_true",
+                    help="also DP=2 under twice the clients (each replica as loaded as the one replica)")
     ap.add_argument("--server-args", default="", help="more `fastdeploy serve` arguments, one string")
     ap.add_argument("--skip-in-process", action="store_true")
     ap.add_argument("--skip-servers", action="store_true")
@@ -190,17 +195,24 @@ def main() -> None:
         rows = {r["tp"]: r["decode_tok_s"] for r in tp_rows if r["batch"] == batch and r["all_reduce"] != "nccl"}
         if 1 in rows and 2 in rows:
             summary[f"tp2_over_tp1_batch_{batch}"] = rows[2] / rows[1]
-    servers = {"one_replica": [], "dp2_ray": ["--data-parallel-size", "2", "--data-parallel-backend", "ray"],
-               "tp2": ["--tensor-parallel-size", "2"]}
-    for name, extra in ({} if args.skip_servers else servers).items():
+    dp = ["--data-parallel-size", "2", "--data-parallel-backend", "ray"]
+    # (extra arguments, clients): DP=2 under the same load, and (weak scaling) under the one
+    # replica's load on each replica.
+    servers = {"one_replica": ([], args.clients), "dp2_ray": (dp, args.clients),
+               "dp2_ray_double_load": (dp, 2 * args.clients), "tp2": (["--tensor-parallel-size", "2"], args.clients)}
+    if not args.dp_double_load:
+        del servers["dp2_ray_double_load"]
+    for name, (extra, clients) in ({} if args.skip_servers else servers).items():
         # Written after every part, so a run cut short keeps what it measured.
         write_json(args.name, {"machine": info, "args": vars(args), "in_process_tp": tp_rows,
                                "server": server_rows, "summary": summary})
-        server_rows.extend(server_run(args, name, extra))
+        server_rows.extend(server_run(args, name, extra, clients))
     for mode in [] if args.skip_servers else args.modes:
         tok_s = {r["server"]: r["tok_s"] for r in server_rows if r["mode"] == mode}
         summary[f"server_{mode}_dp2_over_one"] = tok_s["dp2_ray"] / tok_s["one_replica"]
         summary[f"server_{mode}_tp2_over_tp1"] = tok_s["tp2"] / tok_s["one_replica"]
+        if "dp2_ray_double_load" in tok_s:
+            summary[f"server_{mode}_dp2_double_load_over_one"] = tok_s["dp2_ray_double_load"] / tok_s["one_replica"]
     if tp_rows:
         print_table(tp_rows, [k for k in tp_rows[0] if not isinstance(tp_rows[0][k], (list, dict))])
     if server_rows:
