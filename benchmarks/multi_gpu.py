@@ -6,8 +6,9 @@
         --batches 1 4 --clients 4 --server-tokens 16 --server-args "--tokenizer GGUF_OR_DIR"  # small, on CPU
 
 1. In process: `benchmarks/tensor_parallel.py --tp 1 2` at --batches (decode tok/s per batch).
-2. Through the server, --clients streaming clients (EOS ignored, --server-tokens tokens each,
-   --server-requests requests per client), one server at a time:
+2. Through the server, --clients clients spread over --client-processes processes (EOS ignored,
+   --server-tokens tokens each, --server-requests requests per client), streamed and/or whole
+   answers (--modes), one server at a time:
    - one replica, TP=1 (GPU 0);
    - DP=2 over Ray (`--data-parallel-size 2 --data-parallel-backend ray`, one GPU each), under the
      same load and, with --dp-double-load, under twice the clients (each replica loaded as the one);
