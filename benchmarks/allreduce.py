@@ -50,16 +50,17 @@ def graph_us_per_call(fn: Callable[[], object], calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
+
+
 def methods(rows: int, hidden: int, device: torch.device) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     import torch.distributed._symmetric_memory as symm_mem
 
     group_name = dist.group.WORLD.group_name
     buffer = symm_mem.empty(rows * hidden, dtype=torch.bfloat16, device=device)
     symm_mem.rendezvous(buffer, group_name)
-
-    def nccl(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
-        return x
 
     def one_shot(x: torch.Tensor) -> torch.Tensor:
         buffer.copy_(x.view(-1))
@@ -73,7 +74,8 @@ def methods(rows: int, hidden: int, device: torch.device) -> dict[str, Callable[
         torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", group_name)
         return buffer.view_as(x)
 
-    return {"nccl": nccl, "symm_one_shot": one_shot, "symm_one_shot_copy": one_shot_copy, "symm_two_shot": two_shot}
+    return {"nccl": nccl_all_reduce, "symm_one_shot": one_shot, "symm_one_shot_copy": one_shot_copy,
+            "symm_two_shot": two_shot}
 
 
 def worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out_file: str) -> None:
@@ -91,7 +93,7 @@ def worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out_
             table = methods(rows, args.hidden, device)
         except Exception as exc:  # noqa: BLE001 - no symmetric memory here: NCCL alone
             print(f"symmetric memory unavailable: {exc}", flush=True)
-            table = {"nccl": lambda x: (dist.all_reduce(x), x)[1]}
+            table = {"nccl": nccl_all_reduce}
         for name, fn in table.items():
             row = {"method": name, "rows": rows, "bytes": rows * args.hidden * 2}
             try:

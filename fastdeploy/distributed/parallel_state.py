@@ -51,8 +51,9 @@ class SymmetricAllReduce:
                 and x.numel() * x.element_size() <= SYMMETRIC_BUFFER_BYTES)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype)
-        if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
+        nbytes = x.numel() * x.element_size()
+        staged = self.buffer[:nbytes].view(x.dtype)
+        if nbytes <= ONE_SHOT_MAX_BYTES:
             return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x.view(-1), "sum", self.group_name).view_as(x)
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)

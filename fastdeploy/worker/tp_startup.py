@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import torch
 import zmq
 
 from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.ipc import endpoint, socket
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.distributed.parallel_state import init_tensor_parallel, tp_rank, tp_size
 
@@ -53,14 +56,12 @@ class PlanChannel:
         context: zmq.Context = zmq.Context.instance()
         if tp_rank() == 0:
             for rank in range(1, tp_size()):
-                sender = context.socket(zmq.PUSH)
+                sender = socket(context, zmq.PUSH, _plan_address(rendezvous_file, rank), bind=True)
                 sender.setsockopt(zmq.SNDTIMEO, PLAN_SEND_TIMEOUT_MS)
-                sender.setsockopt(zmq.LINGER, PLAN_SEND_TIMEOUT_MS)
-                sender.bind(_plan_address(rendezvous_file, rank))
+                sender.setsockopt(zmq.LINGER, PLAN_SEND_TIMEOUT_MS)  # the stop message still goes out on close
                 self._senders.append(sender)
         else:
-            self._receiver = context.socket(zmq.PULL)
-            self._receiver.connect(_plan_address(rendezvous_file, tp_rank()))
+            self._receiver = socket(context, zmq.PULL, _plan_address(rendezvous_file, tp_rank()), bind=False)
 
     def send(self, chunks: list[ChunkInput], drafts: dict[int, list[int]]) -> None:
         if self._senders:
@@ -69,7 +70,7 @@ class PlanChannel:
     def receive(self) -> ForwardPlan | None:
         """Ranks > 0: the next step's plan; None when rank 0 says stop."""
         assert self._receiver is not None, "only ranks > 0 of a group receive plans"
-        payload = self._receiver.recv(copy=False).bytes
+        payload = self._receiver.recv()
         return self._decoder.decode(payload) if payload else None
 
     def release_followers(self) -> None:
@@ -77,8 +78,8 @@ class PlanChannel:
         self._send(b"")
 
     def close(self) -> None:
-        for socket in [*self._senders, *([self._receiver] if self._receiver is not None else [])]:
-            socket.close()
+        for sock in [*self._senders, *([self._receiver] if self._receiver is not None else [])]:
+            sock.close()
         self._senders, self._receiver = [], None
 
     def _send(self, payload: bytes) -> None:
@@ -94,4 +95,5 @@ PLAN_SEND_TIMEOUT_MS = 60_000
 
 
 def _plan_address(rendezvous_file: str, rank: int) -> str:
-    return f"ipc://{rendezvous_file}.plans{rank}"
+    """Beside the rendezvous file, in the engine's private directory."""
+    return endpoint(os.path.dirname(rendezvous_file), f"{os.path.basename(rendezvous_file)}.plans{rank}")
