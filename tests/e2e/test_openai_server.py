@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
 import time
 
 import httpx
@@ -167,6 +169,17 @@ def test_malformed_json_unknown_model_and_auth(server, client):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
+def wait_until_idle(server, timeout_s: float = 10) -> dict:
+    """The server's metrics once no request runs and no KV block is held, or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        idle = m["fastdeploy_kv_cache_usage_ratio"] == 0 and m["fastdeploy_num_requests_running"] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
 def test_client_disconnect_aborts_and_frees_kv(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": "Tell me a long story.", "max_tokens": 900, "stream": True, "ignore_eos": True}
@@ -175,14 +188,26 @@ def test_client_disconnect_aborts_and_frees_kv(server):
         for _ in range(6):
             next(lines)
         assert server.metrics()["fastdeploy_kv_cache_usage_ratio"] > 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["fastdeploy_kv_cache_usage_ratio"] == 0 and m["fastdeploy_num_requests_running"] == 0:
-            break
-        time.sleep(0.3)
-    assert m["fastdeploy_kv_cache_usage_ratio"] == 0 and m["fastdeploy_num_requests_running"] == 0
+    m = wait_until_idle(server)
+    assert (m["fastdeploy_kv_cache_usage_ratio"], m["fastdeploy_num_requests_running"]) == (0, 0)
     assert m['fastdeploy_requests_total{finish_reason="abort"}'] >= 1
+
+
+def test_a_client_that_stops_reading_then_leaves_is_aborted(server):
+    """The server's writes back up (the client reads nothing) before the client closes: the
+    stream is aborted when it goes, not when its generator is garbage-collected."""
+    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 1000, "stream": True, "ignore_eos": True,
+                       "logprobs": 20}).encode()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer %s\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                  % (API_KEY.encode(), len(body), body))
+        time.sleep(4)
+        assert server.metrics()["fastdeploy_num_requests_running"] == 1
+    m = wait_until_idle(server)
+    assert (m["fastdeploy_kv_cache_usage_ratio"], m["fastdeploy_num_requests_running"]) == (0, 0)
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):

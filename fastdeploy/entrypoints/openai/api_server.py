@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -24,6 +23,7 @@ from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_client import AsyncEngineClient, EngineClient
 from fastdeploy.engine.replicas import DATA_PARALLEL_BACKENDS, ReplicaSet
+from fastdeploy.entrypoints.openai.api_key_guard import APIKeyGuard
 from fastdeploy.entrypoints.openai.body_guard import BodyGuard
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_message
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -137,15 +137,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     # Added before the API-key check, so it runs after it: a body is read only for a client with the key.
     app.add_middleware(BodyGuard, limits=transport_limits)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if args.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {args.api_key}".encode()):
-                return APIError(401, "invalid or missing API key", "authentication_error", None,
-                                "invalid_api_key").response()
-        return await call_next(request)
+    if args.api_key:
+        app.add_middleware(APIKeyGuard, api_key=args.api_key)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from fastdeploy.entrypoints.openai.errors import bad_request
+from fastdeploy.entrypoints.openai.event_stream import EventStreamResponse
 from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, json_response, sse, usage
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
@@ -39,8 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         engine_requests = self.engine_requests(request, request_id, [prompt], params, "messages")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests))
         return await until_disconnected(
             raw_request, self._full(request, request_id, model, prompt_text, prompt, engine_requests))
 
@@ -74,7 +74,8 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = prompt
         return json_response(body)
 
-    async def _stream(self, request, request_id, model, prompt_text, prompt, engine_requests) -> AsyncIterator[bytes]:
+    async def _stream(self, request, request_id, model, prompt_text, prompt,
+                      engine_requests) -> AsyncGenerator[bytes, None]:
         created = int(time.time())
 
         def chunk(choices: list[dict], **extra) -> dict:

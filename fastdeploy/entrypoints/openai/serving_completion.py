@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from fastdeploy.entrypoints.openai.event_stream import EventStreamResponse
 from fastdeploy.entrypoints.openai.formatting import (
     completion_logprobs,
     extra_fields,
@@ -30,8 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_requests = self.engine_requests(request, request_id, prompts, params, "prompt")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, model, prompts, engine_requests),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._stream(request, request_id, model, prompts, engine_requests))
         return await until_disconnected(raw_request,
                                         self._full(request, request_id, model, prompts, engine_requests))
 
@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice["prompt_token_ids"] = prompts[i // n]
         return json_response(body)
 
-    async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncIterator[bytes]:
+    async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncGenerator[bytes, None]:
         created = int(time.time())
         text_offsets = [0] * len(engine_requests)
 
