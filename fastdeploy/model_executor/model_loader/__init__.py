@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
-import gguf
 import torch
+from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fastdeploy.common.config import ModelConfig
 from fastdeploy.model_executor.model_loader.dummy_loader import dummy_model_config, init_dummy_weights
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path
 from fastdeploy.model_executor.model_loader.fp8 import dequantize_fp8_weights
+from fastdeploy.model_executor.model_loader.gguf_file import read_gguf
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_model_config, load_gguf_weights
 from fastdeploy.model_executor.model_loader.gguf_quantized import keep_gguf_quantized
+from fastdeploy.model_executor.model_loader.gguf_tokenizer import load_gguf_tokenizer
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config, load_safetensors_weights
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 
@@ -66,33 +70,45 @@ def get_model(
     fmt = _load_format(path, load_format)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
-    reader = gguf.GGUFReader(path) if fmt == "gguf" else None
-    if reader is not None:
-        config = gguf_model_config(reader)
+    gguf_file = read_gguf(path) if fmt == "gguf" else None
+    if gguf_file is not None:
+        config = gguf_model_config(gguf_file)
     elif fmt == "safetensors":
         config = hf_model_config(path)
     else:
         config = dummy_model_config(path)
 
     # Build on the meta device, then allocate once on the target: no wasted random init.
-    with torch.device("meta"):
+    with torch.device("meta"), _embedding_init_skipped():
         net = LlamaForCausalLM(config)
     net = net.to(dtype=dtype).to_empty(device=device)
 
     if fmt == "dummy":
         init_dummy_weights(net, seed)
     else:
-        weights = load_gguf_weights(path, config, reader) if fmt == "gguf" else load_safetensors_weights(path)
+        weights = load_gguf_weights(path, config, gguf_file) if fmt == "gguf" else load_safetensors_weights(path)
         if config.fp8_weight_block is not None:
             weights = dequantize_fp8_weights(weights, config.fp8_weight_block)
         loaded = net.load_weights(weights)
         missing = sorted(set(dict(net.named_parameters())) - loaded)
         if missing:
             raise ValueError(f"{path}: weights missing from the checkpoint: {missing[:8]}")
-        if reader is not None and gguf_quantized is not False and torch.device(device).type == "cpu":
-            keep_gguf_quantized(net, reader, config)
+        if gguf_file is not None and gguf_quantized is not False and torch.device(device).type == "cpu":
+            keep_gguf_quantized(net, gguf_file, config)
     net.eval().requires_grad_(False)
     return net, config
+
+
+@contextlib.contextmanager
+def _embedding_init_skipped() -> Iterator[None]:
+    """nn.Embedding's random init, skipped: on the meta device it has nothing to fill, yet its
+    normal_ imports torch._dynamo (2-5 s of start-up that nothing else in a CPU process needs)."""
+    reset = nn.Embedding.reset_parameters
+    nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Embedding.reset_parameters = reset  # type: ignore[method-assign]
 
 
 def _has_tokenizer_files(directory: str) -> bool:
@@ -118,19 +134,13 @@ def tokenizer_path(model: str | None, tokenizer: str | None = None) -> str:
 def get_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
     """The fast tokenizer of `model`, or the one at `tokenizer`, from local files only (never the network).
 
-    GGUF files carry their tokenizer (and chat template) in metadata; directories
-    (or a config.json's directory) need the usual tokenizer files.
+    GGUF files carry their tokenizer (and chat template) in metadata, converted once and
+    cached on disk (gguf_tokenizer.py); directories (or a config.json's directory) need the
+    usual tokenizer files.
     """
     path = tokenizer_path(model, tokenizer)
     if path.endswith(".gguf"):
-        loaded = AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
-        )
-        if loaded.chat_template is None:
-            field = gguf.GGUFReader(path).fields.get("tokenizer.chat_template")
-            if field is not None:
-                loaded.chat_template = field.contents()
-        return loaded
+        return load_gguf_tokenizer(path)
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if not _has_tokenizer_files(directory):
         if tokenizer is not None:

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from fastdeploy.common.config import ModelConfig
+from fastdeploy.model_executor.model_loader.gguf_file import GGUFFile, read_gguf
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -34,22 +35,18 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_model_config(path_or_reader: str | gguf.GGUFReader) -> ModelConfig:
+def gguf_model_config(path_or_file: str | GGUFFile) -> ModelConfig:
     """ModelConfig from `<arch>.*` metadata (arch = general.architecture)."""
-    reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else gguf.GGUFReader(path_or_reader)
-    arch = _field(reader, "general.architecture")
+    file = path_or_file if isinstance(path_or_file, GGUFFile) else read_gguf(path_or_file)
+    meta = file.metadata
+    arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    tensor_names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    tensor_names = {t.name for t in file.tensors}
+    embd = next(t for t in file.tensors if t.name == "token_embd.weight")
 
     def key(suffix: str, default=None):
-        return _field(reader, f"{arch}.{suffix}", default)
+        return meta.get(f"{arch}.{suffix}", default)
 
     # RoPE scaling in a GGUF (metadata, or Llama 3.x's per-frequency divisors as a tensor) is not read.
     scaling = key("rope.scaling.type")
@@ -64,14 +61,14 @@ def gguf_model_config(path_or_reader: str | gguf.GGUFReader) -> ModelConfig:
     heads = int(key("attention.head_count"))
     vocab = key("vocab_size")
     if vocab is None:  # older files: the tokenizer's vocabulary, else the embedding's rows
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else int(embd.shape[1])
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else int(embd.shape[1])
     eos_ids = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = _field(reader, k)
+        v = meta.get(k)
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -112,12 +109,12 @@ def _hf_name(name: str) -> str | None:
 
 
 def load_gguf_weights(
-    path: str, config: ModelConfig | None = None, reader: gguf.GGUFReader | None = None
+    path: str, config: ModelConfig | None = None, file: GGUFFile | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every weight, dequantised, with a progress bar."""
-    reader = reader or gguf.GGUFReader(path)
-    config = config or gguf_model_config(reader)
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor"):
+    file = file or read_gguf(path)
+    config = config or gguf_model_config(file)
+    for tensor in tqdm(file.tensors, desc="Loading GGUF weights", unit="tensor"):
         name = _hf_name(tensor.name)
         if name is None:  # not a weight of the model (gguf_model_config refused rope_freqs.weight)
             continue

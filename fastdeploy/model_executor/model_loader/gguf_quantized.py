@@ -14,7 +14,6 @@ import logging
 from collections import defaultdict
 from typing import cast
 
-import gguf
 import numpy as np
 import torch
 from torch import nn
@@ -22,6 +21,7 @@ from torch import nn
 from fastdeploy.common.config import ModelConfig
 from fastdeploy.distributed.parallel_state import tp_size
 from fastdeploy.model_executor.layers.quantized_linear import GGUFLinear
+from fastdeploy.model_executor.model_loader.gguf_file import GGUFFile, GGUFTensor
 from fastdeploy.model_executor.model_loader.gguf_loader import reverse_permute
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 
@@ -34,7 +34,7 @@ _PROJECTIONS = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
-def _raw_rows(tensor: gguf.ReaderTensor, config: ModelConfig) -> np.ndarray:
+def _raw_rows(tensor: GGUFTensor, config: ModelConfig) -> np.ndarray:
     """A quantized tensor's blocks as uint8 [rows, bytes a row], llama's Q/K rows put back in HF order."""
     rows = int(tensor.shape[1])
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
@@ -44,16 +44,16 @@ def _raw_rows(tensor: gguf.ReaderTensor, config: ModelConfig) -> np.ndarray:
     return blocks
 
 
-def _gguf_linear(tensors: list[gguf.ReaderTensor], config: ModelConfig, bias: torch.Tensor | None) -> GGUFLinear:
+def _gguf_linear(tensors: list[GGUFTensor], config: ModelConfig, bias: torch.Tensor | None) -> GGUFLinear:
     rows = np.concatenate([_raw_rows(t, config) for t in tensors])
     return GGUFLinear(torch.from_numpy(np.ascontiguousarray(rows)), int(tensors[0].tensor_type),
                       int(tensors[0].shape[0]), bias)
 
 
-def keep_gguf_quantized(net: LlamaForCausalLM, reader: gguf.GGUFReader, config: ModelConfig) -> list[str]:
+def keep_gguf_quantized(net: LlamaForCausalLM, file: GGUFFile, config: ModelConfig) -> list[str]:
     """Swap every projection of `net` whose GGUF parts share one of the kernel's types (Q4_1, Q8_0),
     and the LM head, for GGUFLinear; returns the swapped module names."""
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in file.tensors}
     supported = {"Q4_1", "Q8_0"}
     swapped: list[str] = []
     dense: dict[str, list[str]] = defaultdict(list)  # reason -> GGUF tensors left dequantized
