@@ -1,4 +1,5 @@
-"""Coverage of JSONSchemaBench (230 real-world schemas) by the guided-decoding path.
+"""Coverage of JSONSchemaBench's real-world schemas by the guided-decoding path: every other
+schema of the 230, in file order (115; `benchmarks/guided_decoding.py` runs all of them).
 
 For each schema: does it compile through GrammarCompileService within a per-schema time
 budget; and for each compiled one, is every test instance (serialized with json.dumps,
@@ -30,13 +31,15 @@ import pytest
 from tests.guided_decoding.jsb import JSB_DIR, load_cases, rates, run_cases
 
 BUDGET_S = 10.0  # per schema; all but 1-2 compile in < 8 s here
-FLOORS = {"compile": 0.94, "valid_accept": 0.82, "invalid_reject": 0.95}
+FLOORS = {"compile": 0.93, "valid_accept": 0.82, "invalid_reject": 0.95}
+EVERY = 2  # every other schema: half the run's time, the same spread of sources
 
 
 @pytest.mark.skipif(not JSB_DIR.is_dir(), reason=f"{JSB_DIR} not present")
 def test_jsonschemabench_coverage(tokenizer, tokenizer_info):
-    cases = load_cases(tokenizer)
-    assert len(cases) == 230
+    everything = load_cases(tokenizer)
+    assert len(everything) == 230
+    cases = everything[::EVERY]
     t = time.perf_counter()
     results = run_cases(cases, tokenizer_info, timeout_s=BUDGET_S, parallel=2)
     elapsed = time.perf_counter() - t
@@ -52,6 +55,6 @@ def test_jsonschemabench_coverage(tokenizer, tokenizer_info):
         if res.status != "ok":
             print(f"  {res.name}: {res.status}: {res.message[:120]}")
     assert r["crashes"] == 0, [x.message for x in results if x.status == "crash"]
-    assert r["compile_errors"] <= 4, [x.name for x in results if x.status == "compile_error"]
+    assert r["compile_errors"] <= 2, [x.name for x in results if x.status == "compile_error"]
     for key, floor in FLOORS.items():
         assert r[key] >= floor, f"{key} {r[key]:.3f} fell below {floor}"
