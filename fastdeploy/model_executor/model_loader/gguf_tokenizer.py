@@ -56,10 +56,9 @@ def convert_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     entry = cache_entry(path)
     if (entry / COMPLETE_MARKER).is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
-        except Exception as exc:  # a damaged entry: convert again and replace it
-            logger.warning("tokenizer cache %s is unreadable (%s); converting %s again", entry, exc, path)
+        cached = _loads(entry)
+        if cached is not None:
+            return cached
     tokenizer = convert_gguf_tokenizer(path)
     try:
         _store(tokenizer, entry)
@@ -68,12 +67,23 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def _loads(entry: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved in `entry`, or None where it cannot be read (it is then converted again)."""
+    try:
+        return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any damage means the same: convert again
+        logger.warning("tokenizer cache %s is unreadable (%s); converting again", entry, exc)
+        return None
+
+
 def _store(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=entry.parent))
     try:
         tokenizer.save_pretrained(str(staging))
         (staging / COMPLETE_MARKER).touch()
+        if (entry / COMPLETE_MARKER).is_file() and _loads(entry) is not None:
+            return  # another process stored it while this one converted
         if entry.exists():
             shutil.rmtree(entry)  # damaged (no marker, or unreadable)
         os.replace(staging, entry)  # atomic: a process reading beside us sees all of it or none
