@@ -3,9 +3,8 @@
 `gguf.GGUFReader` builds a numpy view per part of every metadata value, which for a
 vocabulary of 49k strings and as many merges takes 5 s, paid by every process that loads
 the model. This reader decodes values straight from the header bytes (0.25 s for the embedded
-model) and maps
-each tensor's data like GGUFReader does: F32/F16/F64/I8-I64 as typed arrays in numpy order,
-every other type as uint8 bytes whose last axis holds one row's blocks.
+model) and maps each tensor's data like GGUFReader does: F32/F16/F64/I8-I64 as typed arrays in
+numpy order, every other type as uint8 bytes whose last axis holds one row's blocks.
 Files it does not read (a version before 2, big-endian) go to GGUFReader.
 """
 
