@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -223,3 +224,57 @@ def tree_rss_mb(pid: int) -> float:
         except psutil.NoSuchProcess:
             pass
     return total / 2**20
+
+
+# Kernel families of a decode step, matched in this order against the lower-cased kernel name.
+KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("paged_attention", "flash", "attn")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk", "gemv", "grouped_gemm")),
+    ("norm, rope, activation", ("rms_norm", "rope", "silu", "qk_norm", "layernorm")),
+    ("all-reduce", ("allreduce", "all_reduce", "nccl", "symm", "one_shot", "two_shot")),
+    ("sampler", ("argmax", "topk", "sort", "softmax", "kept_set", "_choose", "histogram", "_gather_kernel",
+                 "_mask", "compact", "cumsum", "exponential", "uniform", "philox", "log_softmax", "gumbel",
+                 "reduce_kernel", "max_kernel")),
+    ("copies, fills", ("memcpy", "memset", "copy", "fill", "cat", "index", "scatter", "gather")),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for family, needles in KERNEL_FAMILIES:
+        if any(n in lowered for n in needles):
+            return family
+    return "other"
+
+
+def device_profile(events: Sequence[Any], steps: int) -> dict[str, Any]:
+    """Per step, from a torch profiler's CUDA events over `steps` steps: device busy (the union
+    of every kernel and copy on every stream), idle within the window, kernel ms by stream,
+    by family (`KERNEL_FAMILIES`) and by name."""
+    import torch
+
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not device:
+        return {"busy_ms": 0.0, "idle_ms": 0.0, "streams_ms": [], "families_ms": {}, "kernels_ms": {}}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start, end = busy + end - start, s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    window = max(e for _, e in spans) - spans[0][0]
+    by_stream: dict[int, float] = defaultdict(float)
+    by_family: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in device:
+        us = e.time_range.elapsed_us()
+        by_stream[e.device_resource_id] += us
+        by_family[kernel_family(e.name)] += us
+        by_name[e.name[:80]] += us
+    per_step = 1e-3 / steps  # µs over the run -> ms per step
+    return {"busy_ms": busy * per_step, "idle_ms": (window - busy) * per_step,
+            "streams_ms": [us * per_step for us in sorted(by_stream.values(), reverse=True)],
+            "families_ms": {k: v * per_step for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+            "kernels_ms": {k: v * per_step for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}}

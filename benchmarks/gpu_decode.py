@@ -20,6 +20,7 @@ Writes benchmarks/results/gpu_decode.json and .png. `--plot-only` redraws the PN
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, machine_info, png_path, print_table, pyplot, write_json  # noqa: E402
+from benchmarks.common import copy_bandwidth, device_profile, machine_info, png_path, print_table, pyplot, write_json  # noqa: E402
 
 NAME = "gpu_decode"
 
@@ -122,6 +123,15 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
             times.append(time.perf_counter() - t)
         return times
 
+    def profiled(run_steps, steps: int) -> dict:
+        """`steps` decode steps under the torch profiler: where the device's time goes per step."""
+        sync(args.device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            walls = run_steps()
+            sync(args.device)
+        return {"step_ms_under_profiler": 1e3 * statistics.median(walls),
+                **device_profile(profiler.events(), steps)}
+
     def free(ids: list[int]) -> None:
         runner.execute(StepInput(next(message), [], [], ids))
 
@@ -137,6 +147,7 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
 
     rows = []
     graphs = runner.cuda_graphs
+    profile_steps = getattr(args, "profile_steps", 0) if args.device.startswith("cuda") else 0
     for batch in args.batches:
         row = {"batch": batch, "context_len": args.prompt_len + args.warmup + args.steps}
         for mode in ("graph", "eager") if graphs is not None else ("eager",):
@@ -146,6 +157,9 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
             times = decode_times(ids, args.prompt_len + args.warmup, args.steps)
             if mode == "graph":
                 row["graph_forward_ms"] = graph_replay_ms(graphs, batch)
+            if profile_steps:
+                row[f"{mode}_profile"] = profiled(functools.partial(
+                    decode_times, ids, args.prompt_len + args.warmup + args.steps, profile_steps), profile_steps)
             free(ids)
             row[f"{mode}_step_ms"] = 1e3 * statistics.median(times)
         runner.cuda_graphs = graphs
@@ -194,6 +208,21 @@ def bench_transformers(args: argparse.Namespace, batches: list[int]) -> tuple[di
     return out, transformers.__version__
 
 
+def print_profiles(rows: list[dict]) -> None:
+    """Per profiled batch and mode: device busy / idle per step, ms by kernel family, top kernels."""
+    for row in rows:
+        for mode in ("graph", "eager"):
+            profile = row.get(f"{mode}_profile")
+            if profile is None:
+                continue
+            print(f"\n# batch {row['batch']}, {mode}: step {profile['step_ms_under_profiler']:.2f} ms under the "
+                  f"profiler, device busy {profile['busy_ms']:.2f} ms, idle {profile['idle_ms']:.2f} ms")
+            for family, ms in profile["families_ms"].items():
+                print(f"  {ms:8.3f} ms  {family}")
+            for name, ms in list(profile["kernels_ms"].items())[:10]:
+                print(f"    {ms:8.3f} ms  {name}")
+
+
 def plot(payload: dict) -> str:
     plt = pyplot()
     rows = payload["decode"]
@@ -234,6 +263,9 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512, help="prompt length in the prefill step")
     parser.add_argument("--hf-tokens", type=int, default=32, help="new tokens of the longer generate run")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="CUDA: profile this many more decode steps per batch and mode (torch.profiler) and "
+                             "print where the device's time goes")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
     if args.plot_only:
@@ -274,6 +306,7 @@ def main() -> None:
                        "eager_step_ms",
                        "hf_ms_per_token", "speedup_vs_hf", "tokens_per_s"])
     print_table(prefill_rows, ["prompt_len", "batch", "tokens", "seconds", "tokens_per_s"])
+    print_profiles(rows)
     print(write_json(NAME, payload))
     try:
         print(plot(payload))

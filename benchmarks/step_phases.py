@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CollectorWatch, machine_with_device, png_path, print_table, pyplot, write_json
+from common import CollectorWatch, device_profile, machine_with_device, png_path, print_table, pyplot, write_json
 
 WARMUP_STEPS = 3
 TAIL_STEPS = 2
@@ -168,26 +168,10 @@ def device_timeline(engine, batch: int, mask: bool, steps: int, top_p: float, se
             profiler.stop()
     while engine.has_work():
         engine.step()
-    device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
-    busy, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy, start, end = busy + end - start, s, e
-        else:
-            end = max(end, e)
-    busy += end - start
-    window = max(e for _, e in spans) - spans[0][0]
-    by_stream: dict[int, float] = defaultdict(float)
-    by_name: dict[str, float] = defaultdict(float)
-    for e in device:
-        by_stream[e.device_resource_id] += e.time_range.elapsed_us()
-        by_name[e.name[:80]] += e.time_range.elapsed_us()
-    streams = sorted(by_stream.values(), reverse=True)
-    per_step = 1e-3 / steps  # µs over the run -> ms per step
-    return {"compute_ms": streams[0] * per_step, "other_streams_ms": sum(streams[1:]) * per_step,
-            "busy_ms": busy * per_step, "idle_ms": (window - busy) * per_step,
-            "kernels_ms": {name: us * per_step for name, us in by_name.items()}}
+    profile = device_profile(profiler.events(), steps)
+    streams = profile["streams_ms"]
+    return {"compute_ms": streams[0] if streams else 0.0, "other_streams_ms": sum(streams[1:]),
+            "busy_ms": profile["busy_ms"], "idle_ms": profile["idle_ms"], "kernels_ms": profile["kernels_ms"]}
 
 
 def print_device_timeline(rows: list[dict]) -> None:
