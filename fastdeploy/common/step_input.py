@@ -7,6 +7,10 @@ import msgspec
 from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.common.sampling_params import SamplingParams
 
+# A chunk's token that the step before it is still sampling (asynchronous scheduling): the
+# worker takes it from that step's sampler output on the device.
+IN_FLIGHT_TOKEN = -1
+
 
 class NewSequence(msgspec.Struct, array_like=True):
     """Sent once, the first step a sequence is scheduled; the worker keeps it until freed."""
@@ -20,7 +24,7 @@ class NewSequence(msgspec.Struct, array_like=True):
 
 class ChunkInput(msgspec.Struct, array_like=True):
     seq_id: int
-    token_ids: list[int]  # the tokens to compute this step
+    token_ids: list[int]  # the tokens to compute this step; the last may be IN_FLIGHT_TOKEN
     start: int  # position of token_ids[0]
     block_ids: list[int]  # the sequence's whole block table
     sample: bool  # whether this chunk ends at the sequence's last known token
@@ -43,6 +47,9 @@ class StepInput(msgspec.Struct, array_like=True):
     # Speculative decoding: the most drafts a sequence gets in the step after this one (-1: the
     # configured number). A draft model drafting after this step drafts no more than that.
     next_draft_cap: int = -1
+    # Asynchronous scheduling: the engine sends the next step before it waits for this one's
+    # frame, so the worker launches that one first and the device never waits for the engine.
+    followed: bool = False
 
 
 class WorkerEvents(msgspec.Struct, array_like=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from fastdeploy.common.config import ASYNC_SCHEDULING_MODES, CacheConfig, EngineConfig, SchedulerConfig, pipelines_steps
 from fastdeploy.common.sampling_params import SAMPLING_MASK_FORMATS
 from fastdeploy.common.speculative_config import SpeculativeConfig, parse_speculative_config
 from fastdeploy.reasoning import reasoning_parser_names
@@ -40,9 +40,10 @@ class EngineArgs:
     grammar_cache_mb: int = 512
     reasoning_parser: str | None = None
     speculative_config: str | dict | SpeculativeConfig | None = None
+    async_scheduling: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
-        return EngineConfig(
+        config = EngineConfig(
             model=self.model,
             tokenizer=self.tokenizer,
             load_format=self.load_format,
@@ -62,6 +63,7 @@ class EngineArgs:
             grammar_cache_mb=self.grammar_cache_mb,
             reasoning_parser=self.reasoning_parser,
             speculative=parse_speculative_config(self.speculative_config),
+            async_scheduling=self.async_scheduling,
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_kv_blocks,
@@ -75,6 +77,8 @@ class EngineArgs:
                 max_num_batched_tokens=max(self.max_num_batched_tokens, 1),
             ),
         )
+        pipelines_steps(config)  # refuses an unknown mode, or "on" where steps cannot overlap
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -156,6 +160,11 @@ class EngineArgs:
                                  '"num_speculative_tokens": 2}\' (MTP head: "model": DIR; default: the head shipped '
                                  'for the embedded model; "adaptive": false keeps every draft in every step '
                                  'instead of capping them at what measured steps say pays)')
+        parser.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_MODES), default=d.async_scheduling,
+                            help="schedule and launch step N+1 while step N runs, its input tokens taken from "
+                                 "step N's sampler on the device, so the GPU does not wait for the host between "
+                                 "steps; auto: on for CUDA without tensor parallelism or speculative decoding "
+                                 "(steps holding a structured-output or penalised sequence still run in turn)")
         return parser
 
     @classmethod

@@ -6,6 +6,14 @@ beside this thread (a GPU, or a worker process): they get their sampling masks c
 frame while that next step runs, so the masks' host work stays out of the device's way; on
 CUDA the mask ids cross PCIe then too. No delta of a request overtakes another of the same
 request.
+
+With asynchronous scheduling (`pipelines_steps`) step N+1 is scheduled and sent before step
+N's frame is read: the sequences step N samples for compute that token in step N+1 as
+IN_FLIGHT_TOKEN, which the worker takes from step N's sampler output on the device, so the
+device runs N+1 while the engine reads N. A sequence that finishes in step N has computed one
+token too many in N+1, which is dropped. Steps go back to running in turn while any sequence
+needs its tokens on the worker's host before the next step (structured output, penalties),
+and a step scheduled ahead never preempts.
 """
 
 from __future__ import annotations
@@ -16,23 +24,35 @@ import logging
 import time
 from collections.abc import Callable
 
-from fastdeploy.common.config import EngineConfig, resolve_dtype
+from fastdeploy.common.config import EngineConfig, pipelines_steps, resolve_dtype
 from fastdeploy.common.limits import EngineLimits
 from fastdeploy.common.request import EngineRequest, RequestDelta
 from fastdeploy.common.sampling_params import ParameterError
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 from fastdeploy.common.step_input import ChunkInput, GrammarRequest, NewSequence, StepInput, WorkerEvents
 from fastdeploy.engine.admission import admit_request
-from fastdeploy.engine.executor import Executor
+from fastdeploy.engine.executor import Executor, PendingStep
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.draft_policy import DraftPolicy
 from fastdeploy.scheduler.prefix_hash import root_hash
-from fastdeploy.scheduler.scheduler import ScheduledChunk, Scheduler
+from fastdeploy.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerStep
 from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SubmittedStep:
+    """A step sent to the executor whose frame is not read yet."""
+
+    plan: SchedulerStep
+    pending: PendingStep
+    started: float  # perf_counter when it was scheduled
+    num_rows: int  # sequences running when it was scheduled
+    draft_cap: int | None
+    followed: bool  # the next step is sent before this one's frame is read
 
 
 @dataclasses.dataclass
@@ -80,6 +100,11 @@ class EngineCore:
         self._grammar_requests: list[GrammarRequest] = []
         self._registered: set[int] = set()  # sequences whose NewSequence the worker has
         self._deferred: DeferredDeltas | None = None
+        self._pipelining = pipelines_steps(config)
+        self._in_flight: SubmittedStep | None = None  # sent, frame not read; the next step goes first
+        # Sequences whose next step needs their sampled tokens on the worker's host first
+        # (a grammar to advance, penalty histories): while any lives, steps run in turn.
+        self._needs_turns: set[int] = set()
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ParameterError for a request that must be refused before it is queued."""
@@ -97,6 +122,8 @@ class EngineCore:
                        sampling_mask_bitmap=wants_mask and mask_format == "bitmap")
         self.sequences[seq.seq_id] = seq
         self.by_request_id[seq.request_id] = seq
+        if params.guided is not None or params.has_penalties:
+            self._needs_turns.add(seq.seq_id)
         if params.guided is not None:
             seq.grammar_ready = False
             self._on_worker.add(seq.seq_id)
@@ -118,7 +145,7 @@ class EngineCore:
         return deltas
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._deferred is not None
+        return self.scheduler.has_work() or self._deferred is not None or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -133,6 +160,7 @@ class EngineCore:
         del self.sequences[seq.seq_id]
         del self.by_request_id[seq.request_id]
         self._registered.discard(seq.seq_id)
+        self._needs_turns.discard(seq.seq_id)
         if seq.seq_id in self._on_worker:
             self._on_worker.discard(seq.seq_id)
             self._freed.append(seq.seq_id)
@@ -144,50 +172,42 @@ class EngineCore:
         step is launched, so that the caller ships them (a step's masks can be megabytes) while
         the worker computes, rather than between this step's end and the next one's launch.
         """
-        started = time.perf_counter()
-        num_rows = len(self.scheduler.running)
-        draft_cap = None
-        if self.draft_policy is not None:
-            # The cap announced with the last step: a draft model drafted that many after it.
-            draft_cap = self._announced_cap if self._announced_cap is not None else self.draft_policy.cap(num_rows)
-        plan = self.scheduler.schedule(draft_cap)
-        new_sequences = []
-        chunks = []
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            if seq.seq_id not in self._registered:
-                self._registered.add(seq.seq_id)
-                self._on_worker.add(seq.seq_id)
-                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params,
-                                                 seq.return_sampling_mask, seq.sampling_mask_bitmap))
-            end = chunk.start + chunk.num_tokens
-            chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
-                                     list(seq.block_ids), chunk.samples, chunk.num_lookahead))
-        if not chunks and not self._grammar_requests and not self.waiting_for_grammar:
-            return self._take_deferred()
-        next_cap = -1
-        if self.draft_policy is not None:
-            self._announced_cap = next_cap = self.draft_policy.cap(len(self.scheduler.running))
-        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests,
-                               next_cap)
-        self._freed = []
-        self._grammar_requests = []
-        pending = self.executor.submit(step_input)
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            current = self._submit(followed=self._may_pipeline())
+            if current is None:
+                return self._take_deferred()
+        if current.followed:
+            # The next step goes out before this one's frame is read: the tokens this one
+            # samples are computed there as in-flight tokens.
+            for chunk in current.plan.chunks:
+                if chunk.samples:
+                    chunk.seq.num_in_flight += 1
+            self.scheduler.on_step_done(current.plan)
+            self._in_flight = self._submit(followed=self._may_pipeline(), ahead=True)
         # The last step's masked deltas get their masks while this step runs.
         deltas = self._take_deferred()
         if emit_early is not None and deltas:
             emit_early(deltas)
             deltas = []
-        output = pending.result()
-        self.scheduler.on_step_done(plan)
+        output = current.pending.result()
+        plan = current.plan
+        if current.followed:
+            for chunk in plan.chunks:
+                if chunk.samples:
+                    chunk.seq.num_in_flight -= 1
+        else:
+            self.scheduler.on_step_done(plan)
         events = output.events
         deltas += self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
         self.spec_stats.add(events)
         applied = self.token_processor.apply(output.frame, self.sequences, terminated, output.mask_bits)
-        if self.draft_policy is not None and draft_cap is not None and _pure_decode(plan.chunks, num_rows):
-            self.draft_policy.observe(num_rows, draft_cap, sum(len(delta.token_ids) for _, delta in applied.results),
-                                      time.perf_counter() - started)
+        if self.draft_policy is not None and current.draft_cap is not None \
+                and _pure_decode(plan.chunks, current.num_rows):
+            self.draft_policy.observe(current.num_rows, current.draft_cap,
+                                      sum(len(delta.token_ids) for _, delta in applied.results),
+                                      time.perf_counter() - current.started)
         for seq, delta in applied.results:
             if delta.finish_reason is not None:
                 self._release(seq)
@@ -203,6 +223,50 @@ class EngineCore:
             self.token_processor.attach_masks(applied)
             deltas += [delta for _, delta in applied.results]
         return deltas
+
+    def _may_pipeline(self) -> bool:
+        """Whether the step after the one about to go out may be sent before its frame is read."""
+        return self._pipelining and not self._needs_turns
+
+    def _submit(self, followed: bool, ahead: bool = False) -> SubmittedStep | None:
+        """Schedule a step and send it; None when there is nothing to send. `ahead`: the step
+        before it is still running (it was sent `followed`), so this one is sent whatever it
+        holds, empty when the sequences now need their steps in turn."""
+        started = time.perf_counter()
+        num_rows = len(self.scheduler.running)
+        draft_cap = None
+        if self.draft_policy is not None:
+            # The cap announced with the last step: a draft model drafted that many after it.
+            draft_cap = self._announced_cap if self._announced_cap is not None else self.draft_policy.cap(num_rows)
+        if ahead and self._needs_turns:
+            plan = SchedulerStep([], [])
+        else:
+            plan = self.scheduler.schedule(draft_cap, may_preempt=not ahead)
+        new_sequences = []
+        chunks = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.seq_id not in self._registered:
+                self._registered.add(seq.seq_id)
+                self._on_worker.add(seq.seq_id)
+                new_sequences.append(NewSequence(seq.seq_id, seq.prompt_token_ids, seq.params,
+                                                 seq.return_sampling_mask, seq.sampling_mask_bitmap))
+            end = chunk.start + chunk.num_tokens
+            chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
+                                     list(seq.block_ids), chunk.samples, chunk.num_lookahead))
+        if not ahead and not chunks and not self._grammar_requests and not self.waiting_for_grammar:
+            return None
+        next_cap = -1
+        if self.draft_policy is not None:
+            self._announced_cap = next_cap = self.draft_policy.cap(len(self.scheduler.running))
+        # A step scheduled ahead that left a sequence out for want of blocks is followed by
+        # one in turn, which may preempt as usual.
+        followed = followed and bool(chunks) and not plan.num_blocked
+        step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests,
+                               next_cap, followed)
+        self._freed = []
+        self._grammar_requests = []
+        return SubmittedStep(plan, self.executor.submit(step_input), started, num_rows, draft_cap, followed)
 
     def _take_deferred(self) -> list[RequestDelta]:
         """The previous step's masked deltas, their masks attached once the ids are on the host.

@@ -29,13 +29,15 @@ class ScheduledChunk:
 
 def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
     start = seq.num_computed_tokens
-    return ScheduledChunk(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+    return ScheduledChunk(seq, start, num_tokens, start + num_tokens == seq.num_tokens + seq.num_in_flight)
 
 
 @dataclass
 class SchedulerStep:
     chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
     preempted: list[Sequence]
+    # Running sequences left out for want of blocks where preemption was not allowed.
+    num_blocked: int = 0
 
 
 class Scheduler:
@@ -79,24 +81,29 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def schedule(self, max_drafts: int | None = None) -> SchedulerStep:
+    def schedule(self, max_drafts: int | None = None, may_preempt: bool = True) -> SchedulerStep:
         """The next step's chunks. `max_drafts`: at most this many draft tokens per decoding
-        sequence in this step (None: the configured number)."""
+        sequence in this step (None: the configured number). Without `may_preempt` (a step
+        scheduled while the one before it runs: a preempted sequence would lose a token still
+        in flight) a running sequence that does not fit waits a step instead."""
         budget = self.config.max_num_batched_tokens
         drafts = self.num_lookahead_slots if max_drafts is None else min(max_drafts, self.num_lookahead_slots)
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         scheduled_ids: set[int] = set()
+        num_blocked = 0
 
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status != SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_in_flight and self._ends_with_in_flight_token(seq):
+                continue  # its last token is being sampled: nothing after it to compute
             num = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + num
-            while not self.block_manager.can_grow(seq.block_ids, target):
+            while may_preempt and not self.block_manager.can_grow(seq.block_ids, target):
                 victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
                 if victim is None:
                     break
@@ -105,6 +112,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, target):
+                num_blocked += seq.status == SeqStatus.RUNNING
                 continue
             self.block_manager.grow(seq.block_ids, target)
             chunk = _chunk(seq, num)
@@ -161,7 +169,14 @@ class Scheduler:
             (decodes if num == 1 and chunk.samples else prefills).append(chunk)
             budget -= num
 
-        return SchedulerStep(chunks=decodes + prefills, preempted=preempted)
+        return SchedulerStep(chunks=decodes + prefills, preempted=preempted, num_blocked=num_blocked)
+
+    def _ends_with_in_flight_token(self, seq: Sequence) -> bool:
+        """Whether the token in flight is the sequence's last by length (max_tokens, context)."""
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and len(seq.output_token_ids) + seq.num_in_flight >= max_tokens:
+            return True
+        return seq.num_tokens + seq.num_in_flight >= self.config.max_model_len
 
     def _reserve_lookahead(self, seq: Sequence, target: int, budget: int) -> int:
         """Reserve slots after a sampling chunk that holds `target` tokens; return the drafts allowed.
@@ -186,7 +201,10 @@ class Scheduler:
         return lookahead
 
     def on_step_done(self, step: SchedulerStep) -> None:
+        """The step's K/V is written (or queued, ahead of any step that reads it)."""
         for chunk in step.chunks:
+            if chunk.seq.status != SeqStatus.RUNNING:  # finished or aborted since it was scheduled
+                continue
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
             if self.block_manager.enable_prefix_caching:
                 self.register_computed_blocks(chunk.seq)

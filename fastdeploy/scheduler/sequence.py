@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.step_input import IN_FLIGHT_TOKEN
 
 
 class SeqStatus(enum.Enum):
@@ -29,6 +30,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V is in the cache; reset to 0 by a recompute preemption.
     num_computed_tokens: int = 0
+    # Asynchronous scheduling: tokens a running step samples for this sequence that are not
+    # known yet (0 or 1). The next step may compute them, as IN_FLIGHT_TOKEN.
+    num_in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # Prefix caching: the prefix hashes of this sequence's full blocks of known tokens
@@ -42,14 +46,18 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_in_flight - self.num_computed_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1; positions past the known tokens are in flight."""
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len and end <= self.num_tokens:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        known = (self.prompt_token_ids + self.output_token_ids)[start:end]
+        return known + [IN_FLIGHT_TOKEN] * (end - start - len(known))

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import torch
 
-from fastdeploy.common.step_input import ChunkInput
+from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput
 from fastdeploy.model_executor.device_inputs import upload, upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.layers.sample import kept_set_gpu
@@ -69,6 +69,18 @@ def prepare_inputs(
         block_size=bs,
     )
     return ids_d, positions_d, metadata, sample_rows
+
+
+def in_flight_slots(chunks: list[ChunkInput]) -> list[tuple[int, int]]:
+    """(flat token index, seq_id) of every in-flight token, in the layout `prepare_inputs`
+    gives; only a chunk's last token can be in flight."""
+    slots = []
+    flat = 0
+    for chunk in chunks:
+        flat += len(chunk.token_ids)
+        if chunk.token_ids and chunk.token_ids[-1] == IN_FLIGHT_TOKEN:
+            slots.append((flat - 1, chunk.seq_id))
+    return slots
 
 
 def sampling_metadata(states: list[WorkerSequence], logprobs_mode: str, device: torch.device) -> SamplingMetadata:

@@ -8,6 +8,7 @@ next step, runs in `after_frame`, once the frame is on its way (at the next `lau
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -35,7 +36,7 @@ from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.worker import input_prep, slot_layout
 from fastdeploy.worker.graph_capture import DecodeShape, capture_decode_graphs, uses_graphs
 from fastdeploy.worker.guided_runtime import GuidedRuntime
-from fastdeploy.worker.in_flight_step import InFlightStep, QueuedSampling
+from fastdeploy.worker.in_flight_step import InFlightStep, QueuedSampling, SampledTokens
 from fastdeploy.worker.kv_cache_sizing import num_kv_blocks
 from fastdeploy.worker.mtp_step import MTPStep
 from fastdeploy.worker.sequence_state import WorkerSequence
@@ -107,6 +108,13 @@ class ModelRunner:
                 self.mtp = MTPStep(config, self.model, self.model_config, self.dtype, self.device, self.num_blocks,
                                    shape, use_graphs)
         self.sequences: dict[int, WorkerSequence] = {}
+        # Asynchronous scheduling: the last step's sampled tokens (a step scheduled ahead of its
+        # frame reads its in-flight tokens there), steps launched so far, the latest of them,
+        # and the stream frames are packed on while a later step runs.
+        self._last_sampled: SampledTokens | None = None
+        self._launches = 0
+        self._latest: InFlightStep | None = None
+        self._frame_side_stream: torch.cuda.Stream | None = None
         # Work of the last finished step that its frame does not wait for (MTP drafting for the
         # next step): `after_frame` runs it once the frame is on its way, `launch` at the latest.
         self._after_frame: Callable[[], None] | None = None
@@ -149,6 +157,15 @@ class ModelRunner:
             raise RuntimeError("the last step's drafting failed") from error
         self._next_draft_cap = step.next_draft_cap if step.next_draft_cap >= 0 else None
         events = self._take_step_input(step)
+        self._launches += 1
+        predecessor, self._last_sampled = self._last_sampled, None
+        launched = self._launch_chunks(step, events, predecessor)
+        self._latest = launched
+        return launched
+
+    def _launch_chunks(self, step: StepInput, events: WorkerEvents, predecessor: SampledTokens | None) -> InFlightStep:
+        """The step's device work; in-flight tokens come from `predecessor`, the step launched
+        before it (still running when the engine schedules ahead)."""
         if not step.chunks:
             return InFlightStep(events, finished=StepOutput(pack_step_frame(_empty_frame(step.message_id)), events))
         drafts = self._propose_drafts(step.chunks)
@@ -162,6 +179,11 @@ class ModelRunner:
         self._plans.send(chunks, drafts)
         input_ids, positions, attn_metadata, sample_rows = input_prep.prepare_inputs(
             chunks, drafts, self.block_size, self.device)
+        in_flight = input_prep.in_flight_slots(chunks)
+        if in_flight:
+            if predecessor is None:
+                raise RuntimeError("a step computes in-flight tokens, but the step before it sampled none")
+            predecessor.fill(input_ids, in_flight, self.device)
         hidden = self._forward(input_ids, positions, attn_metadata)
         if not seq_ids:
             if self.mtp is not None:
@@ -178,8 +200,15 @@ class ModelRunner:
         may_redraw = self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
         sampled = self.sampler(logits, metadata, settle_kept_sets=False)
+        if not drafts:  # what a step scheduled ahead of this one's frame reads as its in-flight tokens
+            self._last_sampled = SampledTokens(seq_ids, sampled.sampled_token_ids)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         return InFlightStep(events, QueuedSampling(step.message_id, chunks, drafts, seq_ids, slot_drafts, states,
-                                                   hidden, logits, metadata, may_redraw, rng_states, sampled))
+                                                   hidden, logits, metadata, may_redraw, rng_states, sampled,
+                                                   step, self._launches, done))
 
     @torch.inference_mode()
     def finish(self, step: InFlightStep) -> StepOutput:
@@ -190,18 +219,37 @@ class ModelRunner:
         q, events = step.sampling, step.events
         assert q is not None and q.sampled is not None, "a step is finished once"
         sampled, q.sampled = q.sampled, None
-        packed = self._pack(q, sampled)
-        del sampled
-        tokens = packed.frame.token_ids.tolist()
-        if q.may_redraw and UNSETTLED_TOKEN in tokens:
-            # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
-            # the step again with every set settled, from the same seeded generator states,
-            # so seeded requests still draw what they would have drawn in any batch.
-            for g, rng_state in zip(q.metadata.generators, q.rng_states, strict=True):
-                if g is not None and rng_state is not None:
-                    g.set_state(rng_state)
-            packed = self._pack(q, self.sampler(q.logits, q.metadata, settle_kept_sets=True))
+        # A step launched after this one is queued behind it on the compute stream: the frame
+        # is packed on a stream of its own, after this step's sampler only.
+        successor = self._latest if self._launches > q.launch_index else None
+        relaunch: tuple[SampledTokens, set[int]] | None = None
+        with self._frame_stream(q.sampled_event if successor is not None else None):
+            packed = self._pack(q, sampled)
+            del sampled
             tokens = packed.frame.token_ids.tolist()
+            if q.may_redraw and UNSETTLED_TOKEN in tokens:
+                # Rare: a token was drawn from a kept set the GPU kernel could not settle. Sample
+                # the step again with every set settled, from the same seeded generator states,
+                # so seeded requests still draw what they would have drawn in any batch.
+                unsettled = [seq_id for seq_id, token in zip(q.seq_ids, tokens, strict=True)
+                             if token == UNSETTLED_TOKEN]
+                # A step launched behind this one has drawn from these generators already; the
+                # redraw (which draws as much noise as the first draw) must not rewind them.
+                advanced = [g.get_state() if g is not None and successor is not None else None
+                            for g in q.metadata.generators]
+                for g, rng_state in zip(q.metadata.generators, q.rng_states, strict=True):
+                    if g is not None and rng_state is not None:
+                        g.set_state(rng_state)
+                redrawn = self.sampler(q.logits, q.metadata, settle_kept_sets=True)
+                for g, saved in zip(q.metadata.generators, advanced, strict=True):
+                    if g is not None and saved is not None:
+                        g.set_state(saved)
+                packed = self._pack(q, redrawn)
+                tokens = packed.frame.token_ids.tolist()
+                if successor is not None:
+                    relaunch = SampledTokens(q.seq_ids, redrawn.sampled_token_ids), set(unsettled)
+        if relaunch is not None and successor is not None:
+            self._relaunch(successor, *relaunch)
         counts = packed.frame.num_tokens.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts, strict=False)]
@@ -232,6 +280,35 @@ class ModelRunner:
                 self.mtp.feed, q.chunks, q.hidden, dict(zip(q.seq_ids, counts, strict=True)), q.drafts,
                 self.sequences, self._next_draft_cap)
         return StepOutput(result, events, pending, packed.mask_bits)
+
+    def _frame_stream(self, after: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
+        """Where a frame is packed: the current stream, or (`after` given) the frame stream,
+        once `after` is reached on the compute stream."""
+        if after is None:
+            return contextlib.nullcontext()
+        if self._frame_side_stream is None:
+            self._frame_side_stream = torch.cuda.Stream(self.device)
+        self._frame_side_stream.wait_event(after)
+        return torch.cuda.stream(self._frame_side_stream)
+
+    def _relaunch(self, successor: InFlightStep, tokens: SampledTokens, redrawn: set[int]) -> None:
+        """Run the launched successor again if it read a token that was drawn again (`redrawn`
+        sequences) as an in-flight token: same inputs, same K/V slots, and each seeded
+        generator back where it was before its first run."""
+        q = successor.sampling
+        if q is None or not any(seq_id in redrawn for _, seq_id in input_prep.in_flight_slots(q.chunks)):
+            return
+        # A redrawn row truncates, so the successor, which samples it too, kept its generators' states.
+        assert q.may_redraw, "a successor of a redrawn row records its generator states"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for g, rng_state in zip(q.metadata.generators, q.rng_states, strict=True):
+            if g is not None and rng_state is not None:
+                g.set_state(rng_state)
+        again = self._launch_chunks(q.step, successor.events, tokens)
+        assert again.sampling is not None
+        again.sampling.launch_index = q.launch_index
+        successor.sampling = again.sampling
 
     def after_frame(self) -> None:
         """Run the finished step's work that its frame did not wait for. A failure surfaces at

@@ -18,6 +18,7 @@ from fastdeploy.common.ipc import PeerDiedError, endpoint, recv_with_liveness, s
 from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.common.step_input import StepInput
+from fastdeploy.worker.in_flight_step import InFlightStep
 from fastdeploy.worker.launch import tp_init_file
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_output import encode_mask_bits
@@ -68,6 +69,22 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
         raise
     decoder = msgspec.msgpack.Decoder(StepInput)
     encoder = msgspec.msgpack.Encoder()
+
+    def reply(launched: InFlightStep) -> None:
+        """Finish a launched step and send its frame (or its failure): one message per step."""
+        try:
+            output = runner.finish(launched)
+            output.wait_mask_ids()  # one message per step: the whole frame goes at once
+        except Exception:
+            logger.exception("step failed")
+            sock.send_multipart([ERROR, traceback.format_exc().encode()])
+            return
+        sock.send_multipart([FRAME, output.frame, encoder.encode(output.events),
+                             encode_mask_bits(output.mask_bits)], copy=False)
+        runner.after_frame()  # drafting for the next step, while the engine takes in this one
+
+    # A step sent `followed`: its frame goes out once the next step is launched behind it.
+    owed: InFlightStep | None = None
     try:
         while True:
             try:
@@ -77,16 +94,24 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
                 break
             if kind == SHUTDOWN:
                 break
+            step: StepInput | None = None
+            launched: InFlightStep | None = None
+            failure = None
             try:
-                output = runner.execute(decoder.decode(payload[0]))
-                output.wait_mask_ids()  # one message per step: the whole frame goes at once
+                step = decoder.decode(payload[0])
+                launched = runner.launch(step)
             except Exception:
                 logger.exception("step failed")
-                sock.send_multipart([ERROR, traceback.format_exc().encode()])
-                continue
-            sock.send_multipart([FRAME, output.frame, encoder.encode(output.events),
-                                 encode_mask_bits(output.mask_bits)], copy=False)
-            runner.after_frame()  # drafting for the next step, while the engine takes in this one
+                failure = traceback.format_exc()
+            if owed is not None:
+                reply(owed)
+                owed = None
+            if launched is None or step is None:
+                sock.send_multipart([ERROR, (failure or "no step").encode()])
+            elif step.followed:
+                owed = launched
+            else:
+                reply(launched)
     finally:
         runner.shutdown()
         sock.close()

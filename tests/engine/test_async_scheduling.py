@@ -1,0 +1,239 @@
+"""Asynchronous scheduling: step N+1 is scheduled and sent before step N's frame is read, its
+in-flight tokens taken from step N's sampler output inside the worker. Whatever the mix of
+requests (seeded sampling, logprobs, sampling masks, stop tokens, aborts, preemption, a
+penalised request that needs its steps in turn, a kept set the GPU kernel leaves unsettled),
+every request gets exactly what the engine gives with steps in turn, and the steps did overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig, pipelines_steps
+from fastdeploy.common.ipc import make_ipc_dir
+from fastdeploy.common.request import EngineRequest
+from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.speculative_config import SpeculativeConfig
+from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, StepInput
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.engine_core import EngineCore
+from fastdeploy.engine.executor import InProcessExecutor, LocalStep, WorkerProcessExecutor
+from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
+from tests.random_qwen2 import save_random_qwen2
+
+VOCAB = 2_000
+
+# (sampling settings, max_tokens): seeded, finishing at different steps, some on a stop token.
+MIXES = [
+    ({"top_p": 0.9, "seed": 11, "return_sampling_mask": True}, 9),
+    ({"top_k": 50, "temperature": 0.8, "seed": 12, "logprobs": 3}, 4),
+    ({"temperature": 0.0, "logprobs": 2}, 12),
+    ({"top_p": 0.95, "min_p": 0.01, "seed": 13, "stop_token_ids": [1199]}, 20),
+    ({"temperature": 1.0, "seed": 14}, 1),
+    ({"top_k": 400, "top_p": 0.8, "seed": 15, "return_sampling_mask": True}, 15),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2_async"), vocab_size=VOCAB)
+
+
+def _config(model_dir: str, mode: str, num_blocks: int = 256) -> EngineConfig:
+    return EngineConfig(model=model_dir, device="cpu", dtype="float32", guided_decoding_backend="off",
+                        enable_keep_sampling_mask=True, async_scheduling=mode,
+                        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64))
+
+
+class RecordingExecutor(InProcessExecutor):
+    """The CPU runner; records each step as sent."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.sent: list[StepInput] = []
+
+    def submit(self, step: StepInput) -> LocalStep:
+        self.sent.append(step)
+        return super().submit(step)
+
+
+def _requests(extra: dict | None = None) -> list[EngineRequest]:
+    g = torch.Generator().manual_seed(5)
+    requests = []
+    for i, (mix, max_tokens) in enumerate(MIXES):
+        prompt = torch.randint(12, VOCAB, (3 + 4 * i,), generator=g).tolist()
+        params = SamplingParams(max_tokens=max_tokens, **{**mix, **(extra if i == 2 and extra else {})})
+        requests.append(EngineRequest(f"r{i}", prompt, params, 0.0))
+    return requests
+
+
+def _run(core: EngineCore, requests: list[EngineRequest], abort_after: dict[str, int] | None = None) -> dict:
+    """Per request: tokens, logprobs, masks, finish reason. `abort_after[r] = n` aborts r once
+    n of its tokens are out."""
+    for request in requests:
+        core.add_request(request)
+    # A frame carries logprobs for every row once one row asks: read only the askers'.
+    asked = {r.request_id for r in requests if r.params.logprobs is not None}
+    out: dict[str, dict] = {r.request_id: {"tokens": [], "logprobs": [], "masks": [], "finish": None}
+                            for r in requests}
+    try:
+        while core.has_work():
+            for d in core.step():
+                got = out[d.request_id]
+                assert got["finish"] is None, f"{d.request_id}: a delta after its finish"
+                got["tokens"] += d.token_ids
+                if d.request_id in asked:
+                    got["logprobs"] += d.logprobs or []
+                if d.sampling_mask is not None:
+                    got["masks"] += d.sampling_mask.to_lists()
+                if d.finish_reason is not None:
+                    got["finish"] = d.finish_reason
+                elif abort_after and len(got["tokens"]) >= abort_after.get(d.request_id, 1 << 30):
+                    core.abort([d.request_id])
+                    got["finish"] = "abort"
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "blocks left held"
+    finally:
+        core.shutdown()
+    return out
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    """Tokens, masks and finish reasons exactly; logprobs to float32 rounding, since a step sent
+    ahead may still hold a row of a sequence that has just finished, so the others' matrix
+    products run at another row count."""
+    assert got.keys() == want.keys()
+    for request_id, g in got.items():
+        w = want[request_id]
+        assert (g["tokens"], g["masks"], g["finish"]) == (w["tokens"], w["masks"], w["finish"]), request_id
+        assert [len(row) for row in g["logprobs"]] == [len(row) for row in w["logprobs"]], request_id
+        flat = [[v for row in r["logprobs"] for v in row] for r in (g, w)]
+        torch.testing.assert_close(torch.tensor(flat[0]), torch.tensor(flat[1]), atol=1e-4, rtol=0)
+
+
+def _pipelined(sent: list[StepInput]) -> tuple[int, int]:
+    """(steps sent before the frame of the one ahead of them was read, in-flight tokens sent)."""
+    return (sum(step.followed for step in sent),
+            sum(c.token_ids[-1] == IN_FLIGHT_TOKEN for step in sent for c in step.chunks))
+
+
+def _both(model_dir: str, requests_of, num_blocks: int = 256, abort_after: dict[str, int] | None = None):
+    plain = _run(EngineCore(_config(model_dir, "off", num_blocks), InProcessExecutor(_config(model_dir, "off"))),
+                 requests_of(), abort_after)
+    config = _config(model_dir, "on", num_blocks)
+    executor = RecordingExecutor(config)
+    core = EngineCore(config, executor)
+    return plain, _run(core, requests_of(), abort_after), executor.sent, core
+
+
+def test_pipelined_steps_give_what_steps_in_turn_give(model_dir) -> None:
+    plain, pipelined, sent, _ = _both(model_dir, _requests)
+    _assert_same(pipelined, plain)
+    assert {r["finish"] for r in plain.values()} >= {"length", "stop"}
+    followed, in_flight = _pipelined(sent)
+    assert followed >= 10 and in_flight >= 30, (followed, in_flight)
+
+
+def test_aborts_and_finishes_drop_the_token_computed_ahead(model_dir) -> None:
+    """An aborted or finished sequence's row in the step already sent is dropped, its blocks
+    come back, and no other request notices."""
+    abort_after = {"r0": 3, "r5": 6}
+    plain, pipelined, sent, _ = _both(model_dir, _requests, abort_after=abort_after)
+    _assert_same(pipelined, plain)
+    assert pipelined["r0"]["finish"] == pipelined["r5"]["finish"] == "abort"
+    assert _pipelined(sent)[0] > 0
+
+
+def test_a_short_pool_preempts_in_turn(model_dir) -> None:
+    """With too few blocks for every sequence, a step scheduled ahead leaves out a sequence that
+    does not fit (its token is in flight) and is followed by a step in turn, which preempts."""
+    plain, pipelined, sent, core = _both(model_dir, _requests, num_blocks=18)
+    _assert_same(pipelined, plain)
+    assert core.scheduler.num_preemptions > 0
+    assert _pipelined(sent)[0] > 0
+
+
+def test_a_penalised_request_runs_its_steps_in_turn(model_dir) -> None:
+    """Penalties read the output so far on the worker's host: while such a request lives no step
+    is sent ahead; the requests after it pipeline again."""
+    plain, pipelined, sent, _ = _both(model_dir, lambda: _requests({"repetition_penalty": 1.3}))
+    _assert_same(pipelined, plain)
+    penalised = next(i for i, step in enumerate(sent) for c in step.chunks if step.new_sequences
+                     and any(n.params.repetition_penalty != 1.0 for n in step.new_sequences))
+    finished = next(i for i, step in enumerate(sent) if i > penalised and any(
+        seq_id == 2 for seq_id in step.freed_seq_ids))
+    assert not any(step.followed for step in sent[penalised:finished])
+
+
+def test_the_worker_process_overlaps_steps_too(model_dir) -> None:
+    """The server's layout: the worker launches the step sent ahead before it sends the frame owed."""
+    plain = _run(EngineCore(_config(model_dir, "off"), InProcessExecutor(_config(model_dir, "off"))), _requests())
+    config = _config(model_dir, "on")
+    pipelined = _run(EngineCore(config, WorkerProcessExecutor(config, make_ipc_dir())), _requests())
+    _assert_same(pipelined, plain)
+
+
+class UnsettlingSampler:
+    """The CPU sampler, but the first truncating row of every third call is marked unsettled, as
+    the GPU kept-set kernel may leave a row: the runner then samples the step again, and a step
+    launched behind it that read the marker as its in-flight token runs again."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.leaves_unsettled = True
+        self.calls = 0
+        self.unsettled = 0
+
+    def __call__(self, logits, meta, settle_kept_sets: bool = False):
+        out = self.sampler(logits, meta, settle_kept_sets)
+        if settle_kept_sets:
+            return out
+        self.calls += 1
+        truncated = meta.row_groups.host[1]
+        if truncated and self.calls % 3 == 0:
+            out.sampled_token_ids[truncated[0]] = UNSETTLED_TOKEN
+            self.unsettled += 1
+        return out
+
+
+def test_a_redrawn_token_runs_the_step_sent_ahead_again(model_dir, monkeypatch) -> None:
+    plain = _run(EngineCore(_config(model_dir, "off"), InProcessExecutor(_config(model_dir, "off"))), _requests())
+    config = _config(model_dir, "on")
+    executor = RecordingExecutor(config)
+    runner = executor.runner
+    sampler = UnsettlingSampler(runner.sampler)
+    runner.sampler = sampler
+    relaunches = []
+    relaunch = runner._relaunch
+
+    def counting_relaunch(successor, tokens, redrawn) -> None:
+        relaunches.append(successor.sampling)
+        relaunch(successor, tokens, redrawn)
+        if successor.sampling is not relaunches[-1]:
+            relaunches[-1] = "ran again"
+
+    monkeypatch.setattr(runner, "_relaunch", counting_relaunch)
+    _assert_same(_run(EngineCore(config, executor), _requests()), plain)
+    assert sampler.unsettled >= 3
+    assert relaunches.count("ran again") >= 1, relaunches
+
+
+def test_modes_and_what_refuses_them() -> None:
+    cpu = EngineConfig(device="cpu")
+    cuda = dataclasses.replace(cpu, device="cuda")
+    assert not pipelines_steps(cpu) and pipelines_steps(cuda)
+    assert pipelines_steps(dataclasses.replace(cpu, async_scheduling="on"))
+    assert not pipelines_steps(dataclasses.replace(cuda, async_scheduling="off"))
+    assert not pipelines_steps(dataclasses.replace(cuda, tensor_parallel_size=2))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert not pipelines_steps(dataclasses.replace(cuda, speculative=spec))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineArgs(async_scheduling="on", tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineArgs(async_scheduling="on", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+                   ).create_engine_config()
+    with pytest.raises(ValueError, match="unknown async_scheduling"):
+        EngineArgs(async_scheduling="sometimes").create_engine_config()
