@@ -1,9 +1,11 @@
 """Runs one step on the device: inputs → model → logits → sampler → packed frame.
 
-A step runs in two halves. `launch` queues the step's device work (on CUDA without waiting for
-the device) and returns an `InFlightStep`; `finish` waits once for the packed frame and does the
-host's bookkeeping (grammars, outputs). What the frame need not wait for, the MTP drafts for the
-next step, runs in `after_frame`, once the frame is on its way (at the next `launch` at the latest).
+A step runs in two halves. `launch` queues the step's device work (on CUDA without waiting
+for the device) and returns an `InFlightStep`; `finish` waits once for the packed frame and
+does the host's bookkeeping (grammars, outputs). With asynchronous scheduling the next step's
+`launch` comes before this one's `finish`, and the frame is packed on a stream beside the
+compute stream. What the frame need not wait for, the MTP drafts for the next step, runs in
+`after_frame`, once the frame is on its way (at the next `launch` at the latest).
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ class ModelRunner:
 
         On CUDA everything up to the frame's copy to the host is queued without waiting for the
         device, so the caller's thread is free while the model runs (the engine cuts the last
-        step's sampling masks in that time). Each step is finished before the next is launched.
+        step's sampling masks in that time). With asynchronous scheduling the next step is
+        launched before this one is finished (at most one step ahead); its in-flight tokens are
+        this step's sampled tokens, read on the device.
         """
         self.after_frame()
         if self._after_frame_error is not None:
@@ -157,6 +161,10 @@ class ModelRunner:
             raise RuntimeError("the last step's drafting failed") from error
         self._next_draft_cap = step.next_draft_cap if step.next_draft_cap >= 0 else None
         events = self._take_step_input(step)
+        if self._frame_side_stream is not None:
+            # A frame packed beside the compute stream may still be read there (its mask ids):
+            # this step's kernels, which may reuse that frame's freed memory, come after.
+            torch.cuda.current_stream(self.device).wait_stream(self._frame_side_stream)
         self._launches += 1
         predecessor, self._last_sampled = self._last_sampled, None
         launched = self._launch_chunks(step, events, predecessor)

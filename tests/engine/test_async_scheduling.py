@@ -42,8 +42,14 @@ def model_dir(tmp_path_factory) -> str:
     return save_random_qwen2(tmp_path_factory.mktemp("qwen2_async"), vocab_size=VOCAB)
 
 
-def _config(model_dir: str, mode: str, num_blocks: int = 256) -> EngineConfig:
-    return EngineConfig(model=model_dir, device="cpu", dtype="float32", guided_decoding_backend="off",
+# The CUDA runs take the device's own path: frames packed on a stream beside the next step, the
+# kept-set kernels that may leave a row unsettled.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _config(model_dir: str, mode: str, num_blocks: int = 256, device: str = "cpu") -> EngineConfig:
+    return EngineConfig(model=model_dir, device=device, dtype="float32", guided_decoding_backend="off",
                         enable_keep_sampling_mask=True, async_scheduling=mode,
                         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64))
@@ -120,28 +126,31 @@ def _pipelined(sent: list[StepInput]) -> tuple[int, int]:
             sum(c.token_ids[-1] == IN_FLIGHT_TOKEN for step in sent for c in step.chunks))
 
 
-def _both(model_dir: str, requests_of, num_blocks: int = 256, abort_after: dict[str, int] | None = None):
-    plain = _run(EngineCore(_config(model_dir, "off", num_blocks), InProcessExecutor(_config(model_dir, "off"))),
-                 requests_of(), abort_after)
-    config = _config(model_dir, "on", num_blocks)
+def _both(model_dir: str, requests_of, num_blocks: int = 256, abort_after: dict[str, int] | None = None,
+          device: str = "cpu"):
+    off = _config(model_dir, "off", num_blocks, device)
+    plain = _run(EngineCore(off, InProcessExecutor(off)), requests_of(), abort_after)
+    config = _config(model_dir, "on", num_blocks, device)
     executor = RecordingExecutor(config)
     core = EngineCore(config, executor)
     return plain, _run(core, requests_of(), abort_after), executor.sent, core
 
 
-def test_pipelined_steps_give_what_steps_in_turn_give(model_dir) -> None:
-    plain, pipelined, sent, _ = _both(model_dir, _requests)
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipelined_steps_give_what_steps_in_turn_give(model_dir, device) -> None:
+    plain, pipelined, sent, _ = _both(model_dir, _requests, device=device)
     _assert_same(pipelined, plain)
     assert {r["finish"] for r in plain.values()} >= {"length", "stop"}
     followed, in_flight = _pipelined(sent)
     assert followed >= 10 and in_flight >= 30, (followed, in_flight)
 
 
-def test_aborts_and_finishes_drop_the_token_computed_ahead(model_dir) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_aborts_and_finishes_drop_the_token_computed_ahead(model_dir, device) -> None:
     """An aborted or finished sequence's row in the step already sent is dropped, its blocks
     come back, and no other request notices."""
     abort_after = {"r0": 3, "r5": 6}
-    plain, pipelined, sent, _ = _both(model_dir, _requests, abort_after=abort_after)
+    plain, pipelined, sent, _ = _both(model_dir, _requests, abort_after=abort_after, device=device)
     _assert_same(pipelined, plain)
     assert pipelined["r0"]["finish"] == pipelined["r5"]["finish"] == "abort"
     assert _pipelined(sent)[0] > 0
@@ -168,10 +177,12 @@ def test_a_penalised_request_runs_its_steps_in_turn(model_dir) -> None:
     assert not any(step.followed for step in sent[penalised:finished])
 
 
-def test_the_worker_process_overlaps_steps_too(model_dir) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_worker_process_overlaps_steps_too(model_dir, device) -> None:
     """The server's layout: the worker launches the step sent ahead before it sends the frame owed."""
-    plain = _run(EngineCore(_config(model_dir, "off"), InProcessExecutor(_config(model_dir, "off"))), _requests())
-    config = _config(model_dir, "on")
+    off = _config(model_dir, "off", device=device)
+    plain = _run(EngineCore(off, InProcessExecutor(off)), _requests())
+    config = _config(model_dir, "on", device=device)
     pipelined = _run(EngineCore(config, WorkerProcessExecutor(config, make_ipc_dir())), _requests())
     _assert_same(pipelined, plain)
 
@@ -199,9 +210,11 @@ class UnsettlingSampler:
         return out
 
 
-def test_a_redrawn_token_runs_the_step_sent_ahead_again(model_dir, monkeypatch) -> None:
-    plain = _run(EngineCore(_config(model_dir, "off"), InProcessExecutor(_config(model_dir, "off"))), _requests())
-    config = _config(model_dir, "on")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_redrawn_token_runs_the_step_sent_ahead_again(model_dir, monkeypatch, device) -> None:
+    off = _config(model_dir, "off", device=device)
+    plain = _run(EngineCore(off, InProcessExecutor(off)), _requests())
+    config = _config(model_dir, "on", device=device)
     executor = RecordingExecutor(config)
     runner = executor.runner
     sampler = UnsettlingSampler(runner.sampler)
