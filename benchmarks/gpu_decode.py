@@ -190,9 +190,10 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
                 row[f"{mode}_profile"] = profiled(functools.partial(
                     decode_times, ids, args.prompt_len + args.warmup + 2 * args.steps + 1, profile_steps),
                     profile_steps)
+                # Its window holds one step more: the first launch, finished after the loop.
                 row[f"{mode}_pipelined_profile"] = profiled(functools.partial(
                     pipelined_decode_times, ids, args.prompt_len + args.warmup + 2 * args.steps + profile_steps + 1,
-                    profile_steps), profile_steps)
+                    profile_steps), profile_steps + 1)
             free(ids)
             row[f"{mode}_step_ms"] = 1e3 * statistics.median(times)
         runner.cuda_graphs = graphs
