@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
@@ -53,16 +54,24 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None
 
 
+# The environment is the process's: data-parallel replicas start from several threads at once
+# (one `asyncio.to_thread` each), and each must spawn its engine with its own devices.
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def cuda_visible_devices(devices: str | None) -> Iterator[None]:
-    """CUDA_VISIBLE_DEVICES set to `devices` while inside (a spawned process copies the environment)."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    try:
+    """CUDA_VISIBLE_DEVICES set to `devices` while inside (a spawned process copies the
+    environment); one thread at a time is inside."""
+    if devices is None:
         yield
-    finally:
-        if devices is not None:
+        return
+    with _ENVIRONMENT_LOCK:
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        try:
+            yield
+        finally:
             if saved is None:
                 del os.environ["CUDA_VISIBLE_DEVICES"]
             else:

@@ -137,3 +137,36 @@ def test_the_samples_of_one_prompt_stay_together(config):
     assert len(set(group)) == 1
     other = replicas.pick(_request(9, list(range(100, 140))))  # another prompt balances the load
     assert other.index != group[0]
+
+
+def _report_devices(queue) -> None:
+    queue.put(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def test_engines_started_at_once_each_get_their_own_devices() -> None:
+    """Replicas start their engines from one thread each, at the same moment; the environment
+    each spawned process copies must still hold its own devices, not another thread's."""
+    import multiprocessing
+    import threading
+
+    from fastdeploy.engine.engine_client import cuda_visible_devices
+
+    spawn = multiprocessing.get_context("spawn")
+    outside = os.environ.get("CUDA_VISIBLE_DEVICES")
+    queues = {devices: spawn.Queue() for devices in ("0", "1", "2,3")}
+    barrier = threading.Barrier(len(queues))
+
+    def start(devices: str) -> None:
+        process = spawn.Process(target=_report_devices, args=(queues[devices],))
+        barrier.wait()
+        with cuda_visible_devices(devices):
+            process.start()
+        process.join(60)
+
+    threads = [threading.Thread(target=start, args=(d,)) for d in queues]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert {devices: q.get(timeout=5) for devices, q in queues.items()} == {d: d for d in queues}
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == outside
