@@ -11,9 +11,8 @@ With asynchronous scheduling (`pipelines_steps`) step N+1 is scheduled and sent 
 N's frame is read: the sequences step N samples for compute that token in step N+1 as
 IN_FLIGHT_TOKEN, which the worker takes from step N's sampler output on the device, so the
 device runs N+1 while the engine reads N. A sequence that finishes in step N has computed one
-token too many in N+1, which is dropped. Steps go back to running in turn while any sequence
-needs its tokens on the worker's host before the next step (structured output, penalties),
-and a step scheduled ahead never preempts.
+token too many in N+1, which is dropped. A step scheduled ahead never preempts: one that had
+to leave a sequence out is followed by a step in turn.
 """
 
 from __future__ import annotations
@@ -102,9 +101,6 @@ class EngineCore:
         self._deferred: DeferredDeltas | None = None
         self._pipelining = pipelines_steps(config)
         self._in_flight: SubmittedStep | None = None  # sent, frame not read; the next step goes first
-        # Sequences whose next step needs their sampled tokens on the worker's host first
-        # (a grammar to advance, penalty histories): while any lives, steps run in turn.
-        self._needs_turns: set[int] = set()
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ParameterError for a request that must be refused before it is queued."""
@@ -122,8 +118,6 @@ class EngineCore:
                        sampling_mask_bitmap=wants_mask and mask_format == "bitmap")
         self.sequences[seq.seq_id] = seq
         self.by_request_id[seq.request_id] = seq
-        if params.guided is not None or params.has_penalties:
-            self._needs_turns.add(seq.seq_id)
         if params.guided is not None:
             seq.grammar_ready = False
             self._on_worker.add(seq.seq_id)
@@ -160,7 +154,6 @@ class EngineCore:
         del self.sequences[seq.seq_id]
         del self.by_request_id[seq.request_id]
         self._registered.discard(seq.seq_id)
-        self._needs_turns.discard(seq.seq_id)
         if seq.seq_id in self._on_worker:
             self._on_worker.discard(seq.seq_id)
             self._freed.append(seq.seq_id)
@@ -174,7 +167,7 @@ class EngineCore:
         """
         current, self._in_flight = self._in_flight, None
         if current is None:
-            current = self._submit(followed=self._may_pipeline())
+            current = self._submit(followed=self._pipelining)
             if current is None:
                 return self._take_deferred()
         if current.followed:
@@ -184,7 +177,7 @@ class EngineCore:
                 if chunk.samples:
                     chunk.seq.num_in_flight += 1
             self.scheduler.on_step_done(current.plan)
-            self._in_flight = self._submit(followed=self._may_pipeline(), ahead=True)
+            self._in_flight = self._submit(followed=self._pipelining, ahead=True)
         # The last step's masked deltas get their masks while this step runs.
         deltas = self._take_deferred()
         if emit_early is not None and deltas:
@@ -224,24 +217,17 @@ class EngineCore:
             deltas += [delta for _, delta in applied.results]
         return deltas
 
-    def _may_pipeline(self) -> bool:
-        """Whether the step after the one about to go out may be sent before its frame is read."""
-        return self._pipelining and not self._needs_turns
-
     def _submit(self, followed: bool, ahead: bool = False) -> SubmittedStep | None:
         """Schedule a step and send it; None when there is nothing to send. `ahead`: the step
         before it is still running (it was sent `followed`), so this one is sent whatever it
-        holds, empty when the sequences now need their steps in turn."""
+        holds, even nothing, and preempts nothing."""
         started = time.perf_counter()
         num_rows = len(self.scheduler.running)
         draft_cap = None
         if self.draft_policy is not None:
             # The cap announced with the last step: a draft model drafted that many after it.
             draft_cap = self._announced_cap if self._announced_cap is not None else self.draft_policy.cap(num_rows)
-        if ahead and self._needs_turns:
-            plan = SchedulerStep([], [])
-        else:
-            plan = self.scheduler.schedule(draft_cap, may_preempt=not ahead)
+        plan = self.scheduler.schedule(draft_cap, may_preempt=not ahead)
         new_sequences = []
         chunks = []
         for chunk in plan.chunks:

@@ -95,6 +95,10 @@ class GuidedRuntime:
             return None
         return self._boot.result()
 
+    def tracks(self, seq_id: int) -> bool:
+        """Whether the sequence's tokens advance a grammar (or watch for the end of thinking)."""
+        return seq_id in self.states or seq_id in self._thinking
+
     def free(self, seq_id: int) -> None:
         self._unsubmitted.pop(seq_id, None)
         self.states.pop(seq_id, None)

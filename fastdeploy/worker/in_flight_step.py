@@ -64,5 +64,10 @@ class InFlightStep:
 
     events: WorkerEvents
     sampling: QueuedSampling | None = None
-    # A step that samples nothing is finished at launch.
+    # A step that samples nothing is finished at launch; one finished early keeps its output here.
     finished: StepOutput | None = None
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether `ModelRunner.finish` has yet to run for it."""
+        return self.finished is None and self.sampling is not None and self.sampling.sampled is not None

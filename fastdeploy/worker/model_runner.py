@@ -117,6 +117,8 @@ class ModelRunner:
         self._launches = 0
         self._latest: InFlightStep | None = None
         self._frame_side_stream: torch.cuda.Stream | None = None
+        # A step finished early whose redraw changed a token the step being launched read.
+        self._redrawn_ahead: tuple[SampledTokens, set[int]] | None = None
         # Work of the last finished step that its frame does not wait for (MTP drafting for the
         # next step): `after_frame` runs it once the frame is on its way, `launch` at the latest.
         self._after_frame: Callable[[], None] | None = None
@@ -167,13 +169,14 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(self._frame_side_stream)
         self._launches += 1
         predecessor, self._last_sampled = self._last_sampled, None
-        launched = self._launch_chunks(step, events, predecessor)
+        launched = self._launch_chunks(step, events, predecessor, self._latest)
         self._latest = launched
         return launched
 
-    def _launch_chunks(self, step: StepInput, events: WorkerEvents, predecessor: SampledTokens | None) -> InFlightStep:
-        """The step's device work; in-flight tokens come from `predecessor`, the step launched
-        before it (still running when the engine schedules ahead)."""
+    def _launch_chunks(self, step: StepInput, events: WorkerEvents, predecessor: SampledTokens | None,
+                       ahead: InFlightStep | None = None) -> InFlightStep:
+        """The step's device work; in-flight tokens come from `predecessor`, the sampled tokens
+        of `ahead`, the step launched before it (still running when the engine schedules ahead)."""
         if not step.chunks:
             return InFlightStep(events, finished=StepOutput(pack_step_frame(_empty_frame(step.message_id)), events))
         drafts = self._propose_drafts(step.chunks)
@@ -200,6 +203,16 @@ class ModelRunner:
         # Everything up to the pack is queued on the device without waiting for it: the host
         # builds the sampler's inputs and fills the grammar bitmask while the GPU runs the model.
         logits = self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()
+        if ahead is not None and ahead.unfinished and self._reads_tokens_on_host(seq_ids):
+            # A grammar to advance or a penalty history to extend: the step ahead is finished
+            # now, while the device runs this step's forward pass, instead of after it.
+            ahead.finished = self.finish(ahead)
+            redraw, self._redrawn_ahead = self._redrawn_ahead, None
+            if redraw is not None and any(seq_id in redraw[1] for _, seq_id in in_flight):
+                # The forward pass read a token that was drawn again: run it again (rare).
+                redraw[0].fill(input_ids, in_flight, self.device)
+                hidden = self._forward(input_ids, positions, attn_metadata)
+                logits = self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()
         states = [self.sequences[seq_id] for seq_id in seq_ids]
         metadata = input_prep.sampling_metadata(input_prep.slot_states(states, slot_drafts) if drafts else states,
                                                 self.config.logprobs_mode, self.device)
@@ -228,10 +241,13 @@ class ModelRunner:
         assert q is not None and q.sampled is not None, "a step is finished once"
         sampled, q.sampled = q.sampled, None
         # A step launched after this one is queued behind it on the compute stream: the frame
-        # is packed on a stream of its own, after this step's sampler only.
-        successor = self._latest if self._launches > q.launch_index else None
+        # is packed on a stream of its own, after this step's sampler only. That step is the
+        # successor once it has sampled (launched in full); while it is still being launched
+        # (finishing this one early, `_launch_chunks`), it re-reads a redrawn token itself.
+        behind = self._launches > q.launch_index
+        successor = self._latest if behind and self._latest is not step else None
         relaunch: tuple[SampledTokens, set[int]] | None = None
-        with self._frame_stream(q.sampled_event if successor is not None else None):
+        with self._frame_stream(q.sampled_event if behind else None):
             packed = self._pack(q, sampled)
             del sampled
             tokens = packed.frame.token_ids.tolist()
@@ -243,7 +259,7 @@ class ModelRunner:
                              if token == UNSETTLED_TOKEN]
                 # A step launched behind this one has drawn from these generators already; the
                 # redraw (which draws as much noise as the first draw) must not rewind them.
-                advanced = [g.get_state() if g is not None and successor is not None else None
+                advanced = [g.get_state() if g is not None and behind else None
                             for g in q.metadata.generators]
                 for g, rng_state in zip(q.metadata.generators, q.rng_states, strict=True):
                     if g is not None and rng_state is not None:
@@ -254,10 +270,13 @@ class ModelRunner:
                         g.set_state(saved)
                 packed = self._pack(q, redrawn)
                 tokens = packed.frame.token_ids.tolist()
-                if successor is not None:
+                if behind:
                     relaunch = SampledTokens(q.seq_ids, redrawn.sampled_token_ids), set(unsettled)
-        if relaunch is not None and successor is not None:
-            self._relaunch(successor, *relaunch)
+        if relaunch is not None:
+            if successor is not None:
+                self._relaunch(successor, *relaunch)
+            else:
+                self._redrawn_ahead = relaunch
         counts = packed.frame.num_tokens.tolist()
         slot_starts = list(itertools.accumulate(counts, initial=0))
         runs = [tokens[start:start + n] for start, n in zip(slot_starts, counts, strict=False)]
@@ -288,6 +307,13 @@ class ModelRunner:
                 self.mtp.feed, q.chunks, q.hidden, dict(zip(q.seq_ids, counts, strict=True)), q.drafts,
                 self.sequences, self._next_draft_cap)
         return StepOutput(result, events, pending, packed.mask_bits)
+
+    def _reads_tokens_on_host(self, seq_ids: list[int]) -> bool:
+        """Whether a sampled row needs the sequence's last token on the host first: its grammar
+        advances by it, or its penalties count it."""
+        if self.guided is not None and any(self.guided.tracks(seq_id) for seq_id in seq_ids):
+            return True
+        return any(self.sequences[seq_id].params.has_penalties for seq_id in seq_ids)
 
     def _frame_stream(self, after: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
         """Where a frame is packed: the current stream, or (`after` given) the frame stream,

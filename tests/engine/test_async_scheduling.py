@@ -1,18 +1,21 @@
 """Asynchronous scheduling: step N+1 is scheduled and sent before step N's frame is read, its
 in-flight tokens taken from step N's sampler output inside the worker. Whatever the mix of
-requests (seeded sampling, logprobs, sampling masks, stop tokens, aborts, preemption, a
-penalised request that needs its steps in turn, a kept set the GPU kernel leaves unsettled),
-every request gets exactly what the engine gives with steps in turn, and the steps did overlap.
+requests (seeded sampling, logprobs, sampling masks, stop tokens, aborts, preemption,
+penalties, structured output, a kept set the GPU kernel leaves unsettled), every request gets
+exactly what the engine gives with steps in turn, and the steps did overlap.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from fastdeploy import LLM
 from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig, pipelines_steps
+from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.common.ipc import make_ipc_dir
 from fastdeploy.common.request import EngineRequest
 from fastdeploy.common.sampling_params import SamplingParams
@@ -166,16 +169,16 @@ def test_a_short_pool_preempts_in_turn(model_dir) -> None:
     assert _pipelined(sent)[0] > 0
 
 
-def test_a_penalised_request_runs_its_steps_in_turn(model_dir) -> None:
-    """Penalties read the output so far on the worker's host: while such a request lives no step
-    is sent ahead; the requests after it pipeline again."""
-    plain, pipelined, sent, _ = _both(model_dir, lambda: _requests({"repetition_penalty": 1.3}))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_penalised_request_pipelines_too(model_dir, device) -> None:
+    """Penalties count the output so far on the worker's host: the worker finishes the step
+    ahead of the one it launches (beside that one's forward pass) before it builds the
+    penalised rows' histories, and the steps still go out ahead."""
+    plain, pipelined, sent, _ = _both(model_dir, lambda: _requests({"repetition_penalty": 1.3,
+                                                                   "frequency_penalty": 0.5}), device=device)
     _assert_same(pipelined, plain)
-    penalised = next(i for i, step in enumerate(sent) for c in step.chunks if step.new_sequences
-                     and any(n.params.repetition_penalty != 1.0 for n in step.new_sequences))
-    finished = next(i for i, step in enumerate(sent) if i > penalised and any(
-        seq_id == 2 for seq_id in step.freed_seq_ids))
-    assert not any(step.followed for step in sent[penalised:finished])
+    followed, in_flight = _pipelined(sent)
+    assert followed >= 10 and in_flight >= 30, (followed, in_flight)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -186,6 +189,43 @@ def test_the_worker_process_overlaps_steps_too(model_dir, device) -> None:
     config = _config(model_dir, "on", device=device)
     pipelined = _run(EngineCore(config, WorkerProcessExecutor(config, make_ipc_dir())), _requests())
     _assert_same(pipelined, plain)
+
+
+def test_structured_output_pipelines_and_holds_the_schema() -> None:
+    """Grammars advance on the worker's host: each step ahead finishes the one before it early
+    (its forward pass already queued), so constrained requests keep their outputs, and valid
+    JSON, with steps sent ahead."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompts = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(4)]
+
+    def run(mode: str) -> tuple[list[str], list[StepInput]]:
+        llm = LLM(async_scheduling=mode, max_num_seqs=8)
+        sent: list[StepInput] = []
+        submit = llm.engine.executor.submit
+
+        def recording_submit(step: StepInput):
+            sent.append(step)
+            return submit(step)
+
+        llm.engine.executor.submit = recording_submit  # type: ignore[method-assign]
+        try:
+            outs = llm.chat(prompts, [SamplingParams(temperature=0.8, seed=30 + i, max_tokens=48,
+                                                     guided=GuidedSpec("json_schema", json.dumps(schema))) if i % 2 == 0
+                                      else SamplingParams(temperature=0.8, seed=30 + i, max_tokens=48)
+                                      for i in range(len(prompts))])
+        finally:
+            llm.engine.shutdown()
+        return [o.outputs[0].text for o in outs], sent
+
+    plain, _ = run("off")
+    pipelined, sent = run("on")
+    assert pipelined == plain
+    for text in pipelined[0::2]:
+        value = json.loads(text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert _pipelined(sent)[0] >= 10
 
 
 class UnsettlingSampler:
