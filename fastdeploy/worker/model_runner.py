@@ -209,7 +209,10 @@ class ModelRunner:
             ahead.finished = self.finish(ahead)
             redraw, self._redrawn_ahead = self._redrawn_ahead, None
             if redraw is not None and any(seq_id in redraw[1] for _, seq_id in in_flight):
-                # The forward pass read a token that was drawn again: run it again (rare).
+                # The forward pass read a token that was drawn again: run it again (rare). The
+                # redraw ran on the frame stream.
+                if self._frame_side_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self._frame_side_stream)
                 redraw[0].fill(input_ids, in_flight, self.device)
                 hidden = self._forward(input_ids, positions, attn_metadata)
                 logits = self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()

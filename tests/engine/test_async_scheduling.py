@@ -252,9 +252,14 @@ class UnsettlingSampler:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_redrawn_token_runs_the_step_sent_ahead_again(model_dir, monkeypatch, device) -> None:
+@pytest.mark.parametrize("penalised", [False, True], ids=["relaunched", "finished-early"])
+def test_a_redrawn_token_runs_the_step_sent_ahead_again(model_dir, monkeypatch, device, penalised) -> None:
+    """Without penalties the step behind has sampled when the redraw comes, and is launched
+    again; with a penalised row it finishes the step ahead early, before it samples, and runs
+    its own forward pass again."""
+    extra = {"repetition_penalty": 1.2} if penalised else None
     off = _config(model_dir, "off", device=device)
-    plain = _run(EngineCore(off, InProcessExecutor(off)), _requests())
+    plain = _run(EngineCore(off, InProcessExecutor(off)), _requests(extra))
     config = _config(model_dir, "on", device=device)
     executor = RecordingExecutor(config)
     runner = executor.runner
@@ -269,10 +274,31 @@ def test_a_redrawn_token_runs_the_step_sent_ahead_again(model_dir, monkeypatch, 
         if successor.sampling is not relaunches[-1]:
             relaunches[-1] = "ran again"
 
+    forwards_per_launch: list[int] = []
+    inside_launch = [False]
+    forward, launch = runner._forward, runner.launch
+
+    def counting_forward(*args):
+        forwards_per_launch[-1] += inside_launch[0]
+        return forward(*args)
+
+    def counting_launch(step):
+        forwards_per_launch.append(0)
+        inside_launch[0] = True
+        try:
+            return launch(step)
+        finally:
+            inside_launch[0] = False
+
     monkeypatch.setattr(runner, "_relaunch", counting_relaunch)
-    _assert_same(_run(EngineCore(config, executor), _requests()), plain)
+    monkeypatch.setattr(runner, "_forward", counting_forward)
+    monkeypatch.setattr(runner, "launch", counting_launch)
+    _assert_same(_run(EngineCore(config, executor), _requests(extra)), plain)
     assert sampler.unsettled >= 3
-    assert relaunches.count("ran again") >= 1, relaunches
+    assert relaunches.count("ran again") >= 1, relaunches  # a step behind had sampled: launched again
+    # While the penalised request runs, the launch behind finishes the redrawn step early and
+    # runs its own forward pass again.
+    assert (max(forwards_per_launch) == 2) == penalised, forwards_per_launch
 
 
 def test_modes_and_what_refuses_them() -> None:
