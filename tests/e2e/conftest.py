@@ -17,7 +17,10 @@ SERVERS = {
     "server": (("--max-num-seqs", "40", "--max-model-len", "1024", "--num-kv-blocks", "2048"), API_KEY),
     "reasoning_server": (("--reasoning-parser", "think", "--max-num-seqs", "4", "--max-model-len", "512",
                           "--num-kv-blocks", "128"), API_KEY),
-    "mask_server": (("--enable-keep-sampling-mask", "--max-num-seqs", "16", "--num-kv-blocks", "512"), None),
+    # Steps overlapped as on CUDA (asynchronous scheduling): masks, n > 1, JSON mode and bad
+    # input through an engine that sends each step before it reads the one ahead.
+    "mask_server": (("--enable-keep-sampling-mask", "--max-num-seqs", "16", "--num-kv-blocks", "512",
+                     "--async-scheduling", "on"), None),
     "spec_server": (("--max-num-seqs", "8", "--max-model-len", "1024", "--enable-keep-sampling-mask",
                      "--speculative-config", SPEC_CONFIG), SPEC_API_KEY),
     # test_lifecycle.py: one server per test, each taken down by its test.

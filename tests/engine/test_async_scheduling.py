@@ -317,3 +317,14 @@ def test_modes_and_what_refuses_them() -> None:
                    ).create_engine_config()
     with pytest.raises(ValueError, match="unknown async_scheduling"):
         EngineArgs(async_scheduling="sometimes").create_engine_config()
+
+
+def test_the_server_refuses_on_where_steps_cannot_overlap(capsys) -> None:
+    """A usage error naming the conflict, before anything starts."""
+    from fastdeploy.entrypoints.openai.api_server import build_app, make_parser
+
+    with pytest.raises(SystemExit, match="does not work with tensor parallelism"):
+        build_app(make_parser().parse_args(["--async-scheduling", "on", "--tensor-parallel-size", "2"]))
+    with pytest.raises(SystemExit):  # argparse: not a mode
+        make_parser().parse_args(["--async-scheduling", "sometimes"])
+    assert "--async-scheduling" in make_parser().format_help()

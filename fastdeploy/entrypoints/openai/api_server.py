@@ -81,7 +81,10 @@ def _load_tokenizer(model: str | None, tokenizer: str | None) -> PreTrainedToken
 def build_app(args: argparse.Namespace) -> FastAPI:
     engine_args = EngineArgs.from_cli_args(args)
     transport_limits = TransportLimits.from_cli_args(args)
-    config = engine_args.create_engine_config()
+    try:
+        config = engine_args.create_engine_config()
+    except ValueError as exc:  # flags that do not go together: a usage error, not a traceback
+        raise SystemExit(f"fastdeploy serve: {exc}") from None
     names = served_names(args)
     metrics = ServerMetrics(replicas=args.data_parallel_size)
     client: EngineClient = (ReplicaSet(config, args.data_parallel_size, args.data_parallel_backend, args.ray_address)
