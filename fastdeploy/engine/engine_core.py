@@ -173,9 +173,7 @@ class EngineCore:
         if current.followed:
             # The next step goes out before this one's frame is read: the tokens this one
             # samples are computed there as in-flight tokens.
-            for chunk in current.plan.chunks:
-                if chunk.samples:
-                    chunk.seq.num_in_flight += 1
+            _count_in_flight(current.plan, 1)
             self.scheduler.on_step_done(current.plan)
             self._in_flight = self._submit(followed=self._pipelining, ahead=True)
         # The last step's masked deltas get their masks while this step runs.
@@ -186,9 +184,7 @@ class EngineCore:
         output = current.pending.result()
         plan = current.plan
         if current.followed:
-            for chunk in plan.chunks:
-                if chunk.samples:
-                    chunk.seq.num_in_flight -= 1
+            _count_in_flight(plan, -1)
         else:
             self.scheduler.on_step_done(plan)
         events = output.events
@@ -286,6 +282,13 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _count_in_flight(plan: SchedulerStep, change: int) -> None:
+    """A followed step's samples go in flight when it is sent ahead of, and land when its frame is read."""
+    for chunk in plan.chunks:
+        if chunk.samples:
+            chunk.seq.num_in_flight += change
 
 
 def _pure_decode(chunks: list[ScheduledChunk], num_rows: int) -> bool:

@@ -99,7 +99,7 @@ class Scheduler:
                 break
             if seq.status != SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if seq.num_in_flight and self._ends_with_in_flight_token(seq):
+            if seq.num_in_flight and seq.tokens_left(self.config.max_model_len) <= 0:
                 continue  # its last token is being sampled: nothing after it to compute
             num = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + num
@@ -171,13 +171,6 @@ class Scheduler:
 
         return SchedulerStep(chunks=decodes + prefills, preempted=preempted, num_blocked=num_blocked)
 
-    def _ends_with_in_flight_token(self, seq: Sequence) -> bool:
-        """Whether the token in flight is the sequence's last by length (max_tokens, context)."""
-        max_tokens = seq.params.max_tokens
-        if max_tokens is not None and len(seq.output_token_ids) + seq.num_in_flight >= max_tokens:
-            return True
-        return seq.num_tokens + seq.num_in_flight >= self.config.max_model_len
-
     def _reserve_lookahead(self, seq: Sequence, target: int, budget: int) -> int:
         """Reserve slots after a sampling chunk that holds `target` tokens; return the drafts allowed.
 
@@ -187,9 +180,7 @@ class Scheduler:
         if not (self.num_lookahead_slots or self.num_draft_model_slots):
             return 0
         # m accepted tokens (drafts + 1) must fit: num_tokens + m <= limit.
-        room = self.config.max_model_len - seq.num_tokens - 1
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        room = seq.tokens_left(self.config.max_model_len) - 1
         lookahead = max(0, min(self.num_lookahead_slots, room, budget))
         extra = max(0, min(self.num_draft_model_slots, self.config.max_model_len - target - lookahead))
         while lookahead + extra and not self.block_manager.can_grow(seq.block_ids, target + lookahead + extra):

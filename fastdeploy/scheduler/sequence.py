@@ -48,6 +48,14 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens + self.num_in_flight - self.num_computed_tokens
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens the sequence may still take after its known and in-flight ones (max_tokens,
+        context length); at 0 the last one it may take is already known or in flight."""
+        left = max_model_len - self.num_tokens - self.num_in_flight
+        if self.params.max_tokens is not None:
+            left = min(left, self.params.max_tokens - len(self.output_token_ids) - self.num_in_flight)
+        return left
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids

@@ -202,7 +202,7 @@ class ModelRunner:
             return InFlightStep(events, finished=StepOutput(pack_step_frame(_empty_frame(step.message_id)), events))
         # Everything up to the pack is queued on the device without waiting for it: the host
         # builds the sampler's inputs and fills the grammar bitmask while the GPU runs the model.
-        logits = self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()
+        logits = self._logits(hidden, sample_rows)
         if ahead is not None and ahead.unfinished and self._reads_tokens_on_host(seq_ids):
             # A grammar to advance or a penalty history to extend: the step ahead is finished
             # now, while the device runs this step's forward pass, instead of after it.
@@ -215,7 +215,7 @@ class ModelRunner:
                     torch.cuda.current_stream(self.device).wait_stream(self._frame_side_stream)
                 redraw[0].fill(input_ids, in_flight, self.device)
                 hidden = self._forward(input_ids, positions, attn_metadata)
-                logits = self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()
+                logits = self._logits(hidden, sample_rows)
         states = [self.sequences[seq_id] for seq_id in seq_ids]
         metadata = input_prep.sampling_metadata(input_prep.slot_states(states, slot_drafts) if drafts else states,
                                                 self.config.logprobs_mode, self.device)
@@ -227,7 +227,7 @@ class ModelRunner:
         if not drafts:  # what a step scheduled ahead of this one's frame reads as its in-flight tokens
             self._last_sampled = SampledTokens(seq_ids, sampled.sampled_token_ids)
         done = None
-        if self.device.type == "cuda":
+        if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()
             done.record()
         return InFlightStep(events, QueuedSampling(step.message_id, chunks, drafts, seq_ids, slot_drafts, states,
@@ -264,13 +264,9 @@ class ModelRunner:
                 # redraw (which draws as much noise as the first draw) must not rewind them.
                 advanced = [g.get_state() if g is not None and behind else None
                             for g in q.metadata.generators]
-                for g, rng_state in zip(q.metadata.generators, q.rng_states, strict=True):
-                    if g is not None and rng_state is not None:
-                        g.set_state(rng_state)
+                _restore_generators(q.metadata.generators, q.rng_states)
                 redrawn = self.sampler(q.logits, q.metadata, settle_kept_sets=True)
-                for g, saved in zip(q.metadata.generators, advanced, strict=True):
-                    if g is not None and saved is not None:
-                        g.set_state(saved)
+                _restore_generators(q.metadata.generators, advanced)
                 packed = self._pack(q, redrawn)
                 tokens = packed.frame.token_ids.tolist()
                 if behind:
@@ -311,6 +307,10 @@ class ModelRunner:
                 self.sequences, self._next_draft_cap)
         return StepOutput(result, events, pending, packed.mask_bits)
 
+    def _logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """float32 logits of the sampled rows."""
+        return self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()
+
     def _reads_tokens_on_host(self, seq_ids: list[int]) -> bool:
         """Whether a sampled row needs the sequence's last token on the host first: its grammar
         advances by it, or its penalties count it."""
@@ -339,9 +339,7 @@ class ModelRunner:
         assert q.may_redraw, "a successor of a redrawn row records its generator states"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for g, rng_state in zip(q.metadata.generators, q.rng_states, strict=True):
-            if g is not None and rng_state is not None:
-                g.set_state(rng_state)
+        _restore_generators(q.metadata.generators, q.rng_states)
         again = self._launch_chunks(q.step, successor.events, tokens)
         assert again.sampling is not None
         again.sampling.launch_index = q.launch_index
@@ -461,6 +459,13 @@ class ModelRunner:
         self.mtp = None
         gc.collect()
         destroy_tensor_parallel()
+
+
+def _restore_generators(generators: list[torch.Generator | None], states: list[torch.Tensor | None]) -> None:
+    """Put each seeded row's generator back to its saved state (rows without either are left)."""
+    for g, state in zip(generators, states, strict=True):
+        if g is not None and state is not None:
+            g.set_state(state)
 
 
 def _empty_frame(message_id: int) -> StepFrame:
