@@ -23,6 +23,9 @@ response bytes per token (from the bodies, parsed after the clock stops), the se
 of each of those processes (where the masks' cost lands). `--client-procs P` spreads the clients
 over P load-generator processes that start together: a 7B-vocabulary bitmap body is about 6 MB
 per 256 tokens, and one Python client process may read them slower than a GPU server writes them.
+Phase timing per request (medians in each row, per wave under `waves`; `phase_summary`): sent to
+response headers (the server holds the request: queueing, generation, building the answer) and
+headers to the whole body read (the transfer); each client's r-th request is wave r.
 
 `--rss-requests N` then sends N short masked requests (8 tokens, flat case, bitmap and ids
 alternating) to the flag-on server and records its RSS before and after: nothing of a
@@ -82,6 +85,9 @@ class LoadStats:
     start: float           # perf_counter (CLOCK_MONOTONIC: one clock for every process here)
     end: float
     cpu_s: float
+    # Per answered request: (client, its request number = the wave, sent, headers in, body read),
+    # perf_counter times.
+    phases: list[tuple[int, int, float, float, float]]
 
 
 def server_rss_mb(server: Server) -> float:
@@ -123,26 +129,35 @@ def kept_ids(mask: list | str | None, vocab_size: int) -> int:
 
 
 async def _send_all(base: str, model: str, case: str, mask_format: str | None, clients: range, per_client: int,
-                    max_tokens: int, first_index: int) -> tuple[list[bytes], list[str], float, float]:
+                    max_tokens: int, first_index: int
+                    ) -> tuple[list[bytes], list[str], float, float, list[tuple[int, int, float, float, float]]]:
     bodies: list[bytes] = []
     errors: list[str] = []
+    phases: list[tuple[int, int, float, float, float]] = []
 
     async def client_loop(client: httpx.AsyncClient, c: int) -> None:
         for r in range(per_client):
             index = first_index + c * per_client + r
-            resp = await client.post(base + "/v1/completions",
-                                     json=request_body(model, index, case, max_tokens, mask_format))
+            sent = time.perf_counter()
+            # Headers first, then the body: a non-streaming answer's headers go out when the
+            # server has finished the request and starts writing its body.
+            async with client.stream("POST", base + "/v1/completions",
+                                     json=request_body(model, index, case, max_tokens, mask_format)) as resp:
+                headers = time.perf_counter()
+                content = await resp.aread()
+            done = time.perf_counter()
             if resp.status_code != 200:
-                errors.append(f"HTTP {resp.status_code}: {resp.content[:200]!r}")
+                errors.append(f"HTTP {resp.status_code}: {content[:200]!r}")
                 continue
-            bodies.append(resp.content)
+            bodies.append(content)
+            phases.append((c, r, sent, headers, done))
 
     limits = httpx.Limits(max_connections=len(clients) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client, c) for c in clients))
         end = time.perf_counter()
-    return bodies, errors, start, end
+    return bodies, errors, start, end, phases
 
 
 def load_share(base: str, model: str, case: str, mask_format: str | None, clients: range, per_client: int,
@@ -150,8 +165,8 @@ def load_share(base: str, model: str, case: str, mask_format: str | None, client
     """Run some of the clients to the end, then read their bodies (after the clock stopped)."""
     time.sleep(max(0.0, start_at - time.perf_counter()))
     cpu_before = time.process_time()
-    bodies, errors, start, end = asyncio.run(_send_all(base, model, case, mask_format, clients, per_client,
-                                                       max_tokens, first_index))
+    bodies, errors, start, end, phases = asyncio.run(_send_all(base, model, case, mask_format, clients, per_client,
+                                                               max_tokens, first_index))
     cpu_s = time.process_time() - cpu_before
     tokens = masks = ids = 0
     for body in bodies:
@@ -161,7 +176,41 @@ def load_share(base: str, model: str, case: str, mask_format: str | None, client
             for mask in choice.get("sampling_mask") or []:
                 ids += kept_ids(mask, vocab_size)
                 masks += 1
-    return LoadStats(tokens, masks, ids, sum(len(b) for b in bodies), errors, start, end, cpu_s)
+    return LoadStats(tokens, masks, ids, sum(len(b) for b in bodies), errors, start, end, cpu_s, phases)
+
+
+def phase_summary(phases: list[tuple[int, int, float, float, float]], start: float, wall: float) -> dict:
+    """Where a run's time went, per request: `headers_s` from sending it to its response headers
+    (queueing, generation and building the answer: the server holds the request), `body_s` from
+    the headers to the whole body read (the transfer). Per wave (each client's r-th request;
+    clients send theirs one after another): the medians of both, when the wave's requests were
+    sent and their headers arrived (seconds from the run's start), and `turnaround_s`, a client's
+    time from the previous wave's headers to sending this request (body read and client work:
+    no request of that client is at the server). `at_server_share`: the share of client-seconds
+    (clients x wall) with a request at the server."""
+    if not phases:
+        return {}
+    clients = len({p[0] for p in phases})
+    headers_of = {(c, r): h for c, r, _, h, _ in phases}
+    waves = []
+    for w in sorted({p[1] for p in phases}):
+        mine = [p for p in phases if p[1] == w]
+        turn = [s - headers_of[(c, w - 1)] for c, _, s, _, _ in mine if (c, w - 1) in headers_of]
+        waves.append({"wave": w, "requests": len(mine),
+                      "sent_first_s": min(p[2] for p in mine) - start, "sent_last_s": max(p[2] for p in mine) - start,
+                      "headers_s": float(np.median([p[3] - p[2] for p in mine])),
+                      "headers_max_s": max(p[3] - p[2] for p in mine),
+                      "body_s": float(np.median([p[4] - p[3] for p in mine])),
+                      "body_max_s": max(p[4] - p[3] for p in mine),
+                      "headers_first_s": min(p[3] for p in mine) - start,
+                      "headers_last_s": max(p[3] for p in mine) - start,
+                      "done_last_s": max(p[4] for p in mine) - start,
+                      "turnaround_s": float(np.median(turn)) if turn else None})
+    return {"headers_s": float(np.median([p[3] - p[2] for p in phases])),
+            "body_s": float(np.median([p[4] - p[3] for p in phases])),
+            "at_server_share": sum(p[3] - p[2] for p in phases) / (clients * wall),
+            "body_share": sum(p[4] - p[3] for p in phases) / (clients * wall),
+            "waves": [{k: round(v, 4) if isinstance(v, float) else v for k, v in wave.items()} for wave in waves]}
 
 
 def run_load(server: Server, case: str, mask_format: str | None, clients: int, per_client: int, max_tokens: int,
@@ -179,7 +228,8 @@ def run_load(server: Server, case: str, mask_format: str | None, clients: int, p
             parts = list(pool.map(load_share, *zip(*jobs, strict=True)))
     return LoadStats(sum(p.tokens for p in parts), sum(p.masks for p in parts), sum(p.ids for p in parts),
                      sum(p.body_bytes for p in parts), [e for p in parts for e in p.errors],
-                     min(p.start for p in parts), max(p.end for p in parts), sum(p.cpu_s for p in parts))
+                     min(p.start for p in parts), max(p.end for p in parts), sum(p.cpu_s for p in parts),
+                     [ph for p in parts for ph in p.phases])
 
 
 def start_server(name: str, args: list[str], log_dir: str) -> Server:
@@ -264,7 +314,8 @@ def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace
             # not be the bottleneck (near 1.0 means it was; raise --client-procs).
             "client_cpu_share": result.cpu_s / wall / min(args.client_procs, args.clients),
             **{f"cpu_ms_per_token_{role}": 1000 * (cpu_after[role] - cpu_before[role]) / max(tokens, 1)
-               for role in cpu_after}}
+               for role in cpu_after},
+            **phase_summary(result.phases, result.start, wall)}
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -277,8 +328,12 @@ def summarise(runs: list[dict]) -> list[dict]:
         mine = [r for r in runs if r["case"] == case and r["format"] == fmt]
         row: dict = {"case": case, "format": fmt, "rounds": len(mine)}
         for field in mine[0]:
-            if field not in ("case", "format", "round") and mine[0][field] is not None:
+            if field not in ("case", "format", "round", "waves") and mine[0][field] is not None:
                 row[field] = round(float(np.median([r[field] for r in mine])), 3)
+        if "waves" in mine[0]:  # per wave, each field's median over the rounds
+            row["waves"] = [{k: v if k in ("wave", "requests") or v is None else
+                             round(float(np.median([r["waves"][i][k] for r in mine])), 4) for k, v in wave.items()}
+                            for i, wave in enumerate(mine[0]["waves"])]
         if fmt != "off":
             offs = {r["round"]: r["tok_s"] for r in runs if r["case"] == case and r["format"] == "off"}
             ratios = [r["tok_s"] / offs[r["round"]] for r in mine]
@@ -337,7 +392,8 @@ def main() -> None:
                     run = measure(servers[name], case, fmt, args, profile_path)
                     run["round"] = round_index
                     runs.append(run)
-                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in run.items()}, flush=True)
+                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in run.items() if k != "waves"},
+                          flush=True)
         if args.rss_requests:
             memory = rss_check(servers["on"], args.rss_requests, args.clients)
             print("memory:", memory, flush=True)
@@ -349,6 +405,14 @@ def main() -> None:
     print_table(rows, ["case", "format", "tok_s", "ratio", "ratio_min", "ratio_max", "ids_per_token",
                        "bytes_per_token", "server_rss_mb", "cpu_ms_per_token_api", "cpu_ms_per_token_engine",
                        "cpu_ms_per_token_worker", "client_cpu_share", "errors"])
+    print("\nper wave (medians over the rounds; ms):")
+    wave_ms = [{"case": r["case"], "format": r["format"], "at_server_share": r.get("at_server_share"),
+                "body_share": r.get("body_share"),
+                **{k[:-2] + "_ms" if k.endswith("_s") else k: 1000 * v if k.endswith("_s") and v is not None else v
+                   for k, v in w.items()}} for r in rows for w in r.get("waves", [])]
+    print_table(wave_ms, ["case", "format", "wave", "requests", "sent_first_ms", "sent_last_ms", "headers_ms",
+                          "headers_max_ms", "headers_first_ms", "headers_last_ms", "body_ms", "body_max_ms",
+                          "done_last_ms", "turnaround_ms", "at_server_share", "body_share"])
     payload = {"machine": info, "clients": args.clients, "client_procs": args.client_procs,
                "requests_per_client": args.requests_per_client,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "server_args": args.server_args,
