@@ -1,13 +1,13 @@
 // y = x @ w.t() with w held as the GGUF file's own blocks (Q4_1 or Q8_0), on the CPU.
 //
-// The weight is multiplied as the float32 value gguf's dequantization gives it (Q4_1:
-// w = q * d + m, Q8_0: w = q * d, d and m float16 widened to float32), with float32
-// activations and accumulators: the result is the dense float32 matmul on the dequantized
-// weight, up to the order of the sums. Each decode step then reads 5 (Q4_1) or 8.5 (Q8_0)
+// The weight is gguf's float32 dequantization of it (Q4_1: w = q * d + m, Q8_0: w = q * d, d and
+// m float16 widened to float32), with float32 activations and accumulators: the result is the
+// dense float32 matmul on the dequantized weight, up to float32 rounding. Each decode step then reads 5 (Q4_1) or 8.5 (Q8_0)
 // bits per weight instead of 32.
 //
 // Three regimes by the number of rows M of x:
-//   M == 1         one pass over the blocks, each dequantized in registers and used at once;
+//   M == 1         one pass over the blocks: Q8_0 dequantized in registers and used at once, Q4_1
+//                  as sum_g d_g * (q_g . x_g) + m_g * sum(x_g) (float32 either way);
 //   2 <= M <= 128  a thread dequantizes a tile of 8 weight rows into a buffer it reuses for
 //                  every row of x;
 //   M > 128        (prefill) the whole weight is dequantized once and handed to at::mm.
@@ -105,20 +105,78 @@ __attribute__((target("avx2,fma,f16c"))) inline void dequantize_block_avx2(const
   }
 }
 
-// y[n] = w[n] . x for rows [begin, end) of w, x one row of K floats.
-__attribute__((target("avx2,fma,f16c"))) void gemv_avx2(const float* x, const uint8_t* blocks, int64_t type,
-                                                        int64_t k, int64_t begin, int64_t end, float* y) {
-  const int64_t nb = k / kBlock, bb = block_bytes(type);
+// Q8_0, y[n] = w[n] . x for rows [begin, end) of w, x one row of K floats: each block
+// dequantized in registers and used at once. This reads the codes about as fast as memory
+// gives them; factoring d out as for Q4_1 below measured no faster.
+__attribute__((target("avx2,fma,f16c"))) void gemv_q8_0_avx2(const float* x, const uint8_t* blocks, int64_t k,
+                                                             int64_t begin, int64_t end, float* y) {
+  const int64_t nb = k / kBlock;
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = blocks + n * nb * bb;
+    const uint8_t* row = blocks + n * nb * kQ8_0Bytes;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < nb; ++g) {
       __m256 w[4];
-      dequantize_block_avx2(row + g * bb, type, w);
+      dequantize_block_avx2(row + g * kQ8_0Bytes, kQ8_0, w);
       const float* xg = x + g * kBlock;
       for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xg + 8 * i), acc[i]);
     }
     y[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  }
+}
+
+// Q4_1 block b's share of a row's dot product with x's block xg: d * (q . xg) as 8 partial sums,
+// and m (for m * sum(xg)). Both 128-bit lanes hold the block's 16 bytes; in-lane shuffles widen
+// bytes 0-7 and 8-15 to 32 bits, whose low and high nibbles are elements j and j + 16.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 q4_1_block_dot_avx2(const uint8_t* b, const float* xg,
+                                                                           __m256i widen_first,
+                                                                           __m256i widen_second, float* m) {
+  uint32_t dm;  // float16 d, then float16 m
+  std::memcpy(&dm, b, 4);
+  const __m128 scale_min = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+  *m = _mm_cvtss_f32(_mm_movehdup_ps(scale_min));
+  const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+  const __m256i first = _mm256_shuffle_epi8(bytes, widen_first);
+  const __m256i second = _mm256_shuffle_epi8(bytes, widen_second);
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), _mm256_loadu_ps(xg));
+  __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low)), _mm256_loadu_ps(xg + 8));
+  p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_loadu_ps(xg + 16), p0);
+  p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), _mm256_loadu_ps(xg + 24), p1);
+  return _mm256_mul_ps(_mm256_add_ps(p0, p1), _mm256_broadcastss_ps(scale_min));
+}
+
+// Q4_1, y[n] = sum_g d_g * (q_g . x_g) + m_g * xsum_g for rows [begin, end) of w, x one row of K
+// floats with per-block sums xsum. The codes convert exactly to float, so this is the dense
+// float32 product on the dequantized weight up to float32 rounding, without the multiply-add per
+// weight that dequantizing costs: that work, not the memory read, bounded the step.
+__attribute__((target("avx2,fma,f16c"))) void gemv_q4_1_avx2(const float* x, const float* xsum,
+                                                             const uint8_t* blocks, int64_t k, int64_t begin,
+                                                             int64_t end, float* y) {
+  const int64_t nb = k / kBlock;
+  const __m256i widen_first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,  //
+                                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i widen_second = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,  //
+                                                12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = blocks + n * nb * kQ4_1Bytes;
+    // Blocks two at a time into two accumulators, so that consecutive blocks do not wait on each other.
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float offset0 = 0.f, offset1 = 0.f, m0, m1;  // sum_g m_g * xsum_g
+    int64_t g = 0;
+    for (; g + 2 <= nb; g += 2) {
+      acc0 = _mm256_add_ps(acc0, q4_1_block_dot_avx2(row + g * kQ4_1Bytes, x + g * kBlock, widen_first,
+                                                     widen_second, &m0));
+      acc1 = _mm256_add_ps(acc1, q4_1_block_dot_avx2(row + (g + 1) * kQ4_1Bytes, x + (g + 1) * kBlock,
+                                                     widen_first, widen_second, &m1));
+      offset0 += m0 * xsum[g];
+      offset1 += m1 * xsum[g + 1];
+    }
+    if (g < nb) {
+      acc0 = _mm256_add_ps(acc0, q4_1_block_dot_avx2(row + g * kQ4_1Bytes, x + g * kBlock, widen_first,
+                                                     widen_second, &m0));
+      offset0 += m0 * xsum[g];
+    }
+    y[n] = hsum(_mm256_add_ps(acc0, acc1)) + (offset0 + offset1);
   }
 }
 
@@ -247,7 +305,15 @@ at::Tensor gguf_matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
   float* yp = y.data_ptr<float>();
 #ifdef FD_X86
   if (m_rows == 1 && has_avx2()) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { gemv_avx2(xp, b, type, k, begin, end, yp); });
+    if (type == kQ8_0) {
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { gemv_q8_0_avx2(xp, b, k, begin, end, yp); });
+      return y;
+    }
+    std::vector<float> xsum(k / kBlock, 0.f);  // each block's sum of x, which Q4_1's minimums multiply
+    for (int64_t j = 0; j < k; ++j) xsum[j / kBlock] += xp[j];
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      gemv_q4_1_avx2(xp, xsum.data(), b, k, begin, end, yp);
+    });
     return y;
   }
 #endif
