@@ -50,9 +50,46 @@ def test_rope_in_place_on_fused_qkv(dtype: torch.dtype, heads: int, kv_heads: in
     ref[:, q_end:k_end] = apply_rope(qkv[:, q_end:k_end].view(tokens, kv_heads, head_dim), cos, sin).reshape(
         tokens, -1)
     out = qkv.to("cuda", dtype)
-    rope_(out, cos.to("cuda", dtype), sin.to("cuda", dtype), heads + kv_heads, head_dim)
+    rope_(out, cos.to("cuda", dtype), sin.to("cuda", dtype), heads, kv_heads, head_dim)
     assert _rel_err(out, ref) < TOL[dtype]
     torch.testing.assert_close(out[:, k_end:], qkv[:, k_end:].to("cuda", dtype), atol=0, rtol=0)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128), (28, 4, 128)])
+def test_rope_writes_k_and_v_into_the_paged_cache(dtype: torch.dtype, qk_norm: bool, heads: int, kv_heads: int,
+                                                  head_dim: int) -> None:
+    """With a CacheWrite the kernels leave qkv as without one, and the cache holds exactly what the
+    scatter of the rotated K and of V (Attention's unfused path) would write; other slots untouched."""
+    from fastdeploy.model_executor.layers.attention_metadata import CacheWrite
+    from fastdeploy.model_executor.layers.triton_fused import qk_norm_rope_, rope_
+
+    tokens, num_blocks, block_size = 37, 16, 16
+    gen = torch.Generator().manual_seed(heads + kv_heads)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to("cuda", dtype)
+    cos, sin = (t.to("cuda", dtype) for t in rope_cos_sin(torch.randint(0, 8000, (tokens,), generator=gen),
+                                                           head_dim, 500000.0, torch.float64))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].cuda()
+    qw, kw = (torch.rand(head_dim, generator=gen).to("cuda", dtype) + 0.5 for _ in range(2))
+
+    def run(out: torch.Tensor, cache: CacheWrite | None) -> None:
+        if qk_norm:
+            qk_norm_rope_(out, cos, sin, heads, kv_heads, head_dim, qw, kw, 1e-6, cache)
+        else:
+            rope_(out, cos, sin, heads, kv_heads, head_dim, cache)
+
+    plain, fused = qkv.clone(), qkv.clone()
+    run(plain, None)
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device="cuda")
+    run(fused, CacheWrite(kv_cache, slots))
+    torch.testing.assert_close(fused, plain, atol=0, rtol=0)
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    expected = torch.full_like(kv_cache, 7.0)
+    expected[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, plain[:, q_end:k_end].view(tokens, kv_heads,
+                                                                                               head_dim))
+    expected[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, plain[:, k_end:].view(tokens, kv_heads, head_dim))
+    torch.testing.assert_close(kv_cache, expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

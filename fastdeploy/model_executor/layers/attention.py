@@ -55,10 +55,11 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        kv_written: bool = False,  # CUDA: the fused RoPE kernel already wrote k and v into the cache
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if q.is_cuda:
-            return self._forward_triton(q, k, v, k_cache, v_cache, meta)
+            return self._forward_triton(q, k, v, k_cache, v_cache, meta, kv_written)
         # Scatter the new K/V first so every query below can read its own token from the cache.
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
@@ -80,13 +81,15 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_written: bool,
     ) -> torch.Tensor:
         """CUDA: Triton paged kernels; no host sync, so decode steps can be captured in a CUDA graph."""
         from fastdeploy.model_executor.layers import triton_attention  # triton is optional on CPU hosts
 
-        # index_copy_ rather than index_put_: a plain scatter with no sort or sync, graph-capturable.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if not kv_written:
+            # index_copy_ rather than index_put_: a plain scatter with no sort or sync, graph-capturable.
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         q = q.to(k_cache.dtype)
         out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens

@@ -41,3 +41,13 @@ class AttentionMetadata:
     block_size: int
     # CUDA: the prefills as kernel inputs, built by the first attention layer of the step.
     gpu_prefill_tiles: PrefillTiles | None = None
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """Where the fused RoPE kernels (CUDA) also write each token's K and V: one layer's paged cache
+    [2, blocks, block_size, kv_heads, head_dim] (contiguous) at `slot_mapping` [T]. This saves the
+    two scatters that otherwise follow in `Attention`, two launches a layer."""
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.model_executor.layers.attention_metadata import CacheWrite
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -52,9 +54,31 @@ def add_rms_norm(
 
 
 @triton.jit
+def _store_kv(
+    X, KV, Slots, tok, stride_x, plane_stride, slot_stride, heads, d, ok, y1, y2, num_q_heads, num_heads,
+    num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+):  # fmt: skip
+    """Token `tok`'s rotated K heads (y1/y2 of heads num_q_heads..num_heads) and its V heads (read from
+    X after the K heads) into the paged cache KV [2, blocks, block_size, kv_heads, head_dim] at its slot."""
+    slot = tl.load(Slots + tok).to(tl.int64)
+    k_ok = ok & (heads >= num_q_heads)[:, None]
+    k_dst = KV + slot * slot_stride + (heads - num_q_heads)[:, None] * (2 * HALF) + d[None, :]
+    # Rounded to the activation dtype first, as the cache write of the unfused path sees it.
+    tl.store(k_dst, y1.to(X.dtype.element_ty).to(KV.dtype.element_ty), mask=k_ok)
+    tl.store(k_dst + HALF, y2.to(X.dtype.element_ty).to(KV.dtype.element_ty), mask=k_ok)
+    v_heads = tl.arange(0, KV_PAD)
+    v_ok = (v_heads < num_kv_heads)[:, None] & (d < HALF)[None, :]
+    v_src = X + tok * stride_x + (num_heads + v_heads)[:, None] * (2 * HALF) + d[None, :]
+    v_dst = KV + plane_stride + slot * slot_stride + v_heads[:, None] * (2 * HALF) + d[None, :]
+    tl.store(v_dst, tl.load(v_src, mask=v_ok, other=0.0).to(KV.dtype.element_ty), mask=v_ok)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=v_ok, other=0.0).to(KV.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
 def _rope_kernel(
-    X, Cos, Sin, stride_x, stride_c, num_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    X, Cos, Sin, KV, Slots, stride_x, stride_c, plane_stride, slot_stride, num_q_heads, num_heads, num_kv_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -66,27 +90,48 @@ def _rope_kernel(
     # cos/sin rows are [freqs | freqs] (rotate-half convention): the first half covers both halves.
     c = tl.load(Cos + tok * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     s = tl.load(Sin + tok * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-    tl.store(base, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=ok)
-    tl.store(base + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=ok)
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    tl.store(base, y1.to(X.dtype.element_ty), mask=ok)
+    tl.store(base + HALF, y2.to(X.dtype.element_ty), mask=ok)
+    if WRITE_KV:
+        _store_kv(X, KV, Slots, tok, stride_x, plane_stride, slot_stride, heads, d, ok, y1, y2, num_q_heads,
+                  num_heads, num_kv_heads, HALF, HALF_PAD, KV_PAD)
 
 
-def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
-    """Rotate, in place, the first `num_heads` heads of each row of `qkv` [T, >= num_heads * head_dim].
+def _cache_args(cache: CacheWrite | None, qkv: torch.Tensor) -> tuple:
+    """KV, Slots, plane_stride, slot_stride and WRITE_KV of the kernels (unused placeholders without a cache)."""
+    if cache is None:
+        return qkv, qkv, 0, 0, False
+    kv = cache.kv_cache
+    if not kv.is_contiguous():
+        raise ValueError("fused RoPE: the KV cache to write must be contiguous")
+    return kv, cache.slot_mapping, kv.stride(0), kv.stride(2), True
+
+
+def rope_(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    cache: CacheWrite | None = None,
+) -> None:  # fmt: skip
+    """Rotate, in place, the q and k heads at the start of each row of `qkv` [T, (q + 2 kv heads) * head_dim],
+    and with `cache` write each token's rotated K and its V into the paged cache.
 
     Q and K heads sit side by side at the start of the fused QKV projection's output, so one
     launch rotates both. cos/sin: [T, head_dim] as from `rotary.rope_cos_sin`.
     """
-    half = head_dim // 2
+    half, heads = head_dim // 2, num_q_heads + num_kv_heads
+    kv, slots, plane_stride, slot_stride, write = _cache_args(cache, qkv)
     _rope_kernel[(qkv.shape[0],)](
-        qkv, cos, sin, qkv.stride(0), cos.stride(0), num_heads,
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(num_heads), num_warps=4,
+        qkv, cos, sin, kv, slots, qkv.stride(0), cos.stride(0), plane_stride, slot_stride, num_q_heads, heads,
+        num_kv_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(heads),
+        KV_PAD=triton.next_power_of_2(num_kv_heads), WRITE_KV=write, num_warps=4,
     )  # fmt: skip
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    X, Cos, Sin, QW, KW, stride_x, stride_c, num_q_heads, num_heads, eps,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    X, Cos, Sin, QW, KW, KV, Slots, stride_x, stride_c, plane_stride, slot_stride, num_q_heads, num_heads,
+    num_kv_heads, eps, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -109,23 +154,31 @@ def _qk_norm_rope_kernel(
     y2 = (w2.to(tl.float32) * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     c = tl.load(Cos + tok * stride_c + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     s = tl.load(Sin + tok * stride_c + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(base, (y1 * c - y2 * s).to(dtype), mask=ok)
-    tl.store(base + HALF, (y2 * c + y1 * s).to(dtype), mask=ok)
+    r1, r2 = y1 * c - y2 * s, y2 * c + y1 * s
+    tl.store(base, r1.to(dtype), mask=ok)
+    tl.store(base + HALF, r2.to(dtype), mask=ok)
+    if WRITE_KV:
+        _store_kv(X, KV, Slots, tok, stride_x, plane_stride, slot_stride, heads, d, ok, r1, r2, num_q_heads,
+                  num_heads, num_kv_heads, HALF, HALF_PAD, KV_PAD)
 
 
 def qk_norm_rope_(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
-    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cache: CacheWrite | None = None,
 ) -> None:  # fmt: skip
-    """Qwen3's per-head RMSNorm then RoPE, in place on the q and k heads at the start of each row of `qkv`.
+    """Qwen3's per-head RMSNorm then RoPE, in place on the q and k heads at the start of each row of `qkv`,
+    and with `cache` each token's K and V written into the paged cache (as `rope_`).
 
     q heads use `q_weight` [head_dim], k heads `k_weight`; cos/sin [T, head_dim] as from `rotary.rope_cos_sin`.
     """
     half = head_dim // 2
     heads = num_q_heads + num_kv_heads
+    kv, slots, plane_stride, slot_stride, write = _cache_args(cache, qkv)
     _qk_norm_rope_kernel[(qkv.shape[0],)](
-        qkv, cos, sin, q_weight, k_weight, qkv.stride(0), cos.stride(0), num_q_heads, heads, eps,
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(heads), num_warps=4,
+        qkv, cos, sin, q_weight, k_weight, kv, slots, qkv.stride(0), cos.stride(0), plane_stride, slot_stride,
+        num_q_heads, heads, num_kv_heads, eps, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(num_kv_heads), WRITE_KV=write,
+        num_warps=4,
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from fastdeploy.common.config import ModelConfig
 from fastdeploy.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
-from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, CacheWrite
 from fastdeploy.model_executor.layers.cpu_kernels import cpu_ops, fused_cpu
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.moe import MoEExperts, SparseMoeBlock, expert_weight_slot
@@ -70,21 +70,23 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool | None = None,
+        cache: CacheWrite | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of rows `x` [T, hidden], q/k normed and rotated.
 
-        `fused` (default: on CUDA) norms and rotates in place with a Triton kernel; False keeps the
-        PyTorch ops, which autograd can follow (MTP head training).
+        `fused` (default: on CUDA) norms and rotates in place with a Triton kernel, which with
+        `cache` also writes K and V into the paged cache; False keeps the PyTorch ops, which
+        autograd can follow (MTP head training), and writes nothing.
         """
         qkv = self.qkv_proj(x)
         fused = qkv.is_cuda if fused is None else fused
         if fused:
             if self.q_norm is not None and self.k_norm is not None:
                 _fused().qk_norm_rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                       self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                                       self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cache)
             else:
-                _fused().rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+                _fused().rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -115,6 +117,9 @@ class LlamaAttention(nn.Module):
             return self.out(cpu_ops().rope_paged_decode(
                 qkv, cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.attn.scale))
+        if x.is_cuda:  # the fused RoPE kernel writes K and V into the cache
+            q, k, v = self.qkv(x, cos, sin, cache=CacheWrite(kv_cache, meta.slot_mapping))
+            return self.out(self.attn(q, k, v, kv_cache, meta, kv_written=True))
         q, k, v = self.qkv(x, cos, sin)
         return self.out(self.attn(q, k, v, kv_cache, meta))
 
