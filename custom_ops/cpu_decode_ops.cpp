@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -183,45 +184,91 @@ at::Tensor rope_paged_decode(at::Tensor& qkv, const at::Tensor& cos, const at::T
     std::copy(row + num_heads * dh, row + (num_heads + kvh) * dh, kc + slots[s] * token_stride);
     std::copy(row + (num_heads + kvh) * dh, row + width, vc + slots[s] * token_stride);
   }
+  // Attention per (sequence, KV head), its group's query heads together. At small batches those
+  // pairs are fewer than twice the threads (batch 1 of a 3-KV-head model: 3 pairs on 2 threads, one
+  // thread doing two), so each pair's keys are split into block-aligned parts, each part's softmax
+  // kept unnormalised (its max, its sum, its weighted values), and the parts merged after.
+  const int64_t pairs = seqs * kvh, threads = at::get_num_threads();
+  const int64_t parts = pairs >= 2 * threads ? 1 : std::min<int64_t>((2 * threads + pairs - 1) / pairs, max_blocks);
+  const int64_t tasks = pairs * parts, part_floats = group * (dh + 2);  // per head: dh weighted values, max, sum
+  std::vector<float> partial(parts > 1 ? tasks * part_floats : 0);
   at::Tensor out = at::empty({seqs, num_heads * dh}, qkv.options());
   float* op = out.data_ptr<float>();
-  const int64_t tasks = seqs * kvh;
   const int64_t grain = std::max<int64_t>(1, tasks * kAttentionParallelWork / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, whole_stats(2 * group);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t s = t / kvh, kh = t % kvh, len = lens[s];
-      scores.resize(group * len);
+      const int64_t pair = t / parts, part = t % parts, s = pair / kvh, kh = pair % kvh, len = lens[s];
+      const int64_t len_blocks = (len + block_size - 1) / block_size;
+      const int64_t first = part * len_blocks / parts * block_size;
+      const int64_t last = std::min(len, (part + 1) * len_blocks / parts * block_size), n = last - first;
+      // [group][dh] weighted values, then [group] maxima, [group] sums; one part writes the output itself.
+      float* out_part = parts == 1 ? op + s * num_heads * dh + kh * group * dh : partial.data() + t * part_floats;
+      float* maxima = parts == 1 ? whole_stats.data() : out_part + group * dh;
+      float* sums = maxima + group;
+      std::fill(out_part, out_part + group * dh, 0.f);
+      if (n <= 0) {  // a short sequence's empty part: weight 0 in the merge
+        std::fill(maxima, maxima + group, -std::numeric_limits<float>::infinity());
+        std::fill(sums, sums + group, 0.f);
+        continue;
+      }
+      scores.resize(group * n);
       const int64_t* table = tables + s * max_blocks;
       const float* q = qp + s * width + kh * group * dh;  // the group's query heads, one after another
       // Keys block by block (no division per key), each key against all of its group's queries.
-      for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+      for (int64_t j0 = first; j0 < last; j0 += block_size) {
         const float* k = kc + table[j0 / block_size] * block_size * token_stride + kh * dh;
-        for (int64_t j = j0; j < std::min(len, j0 + block_size); ++j, k += token_stride) {
-          for (int64_t g = 0; g < group; ++g) scores[g * len + j] = dot(q + g * dh, k, dh) * static_cast<float>(scale);
+        for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j, k += token_stride) {
+          for (int64_t g = 0; g < group; ++g) {
+            scores[g * n + j - first] = dot(q + g * dh, k, dh) * static_cast<float>(scale);
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax of each query head's scores
-        float* sc = scores.data() + g * len;
-        const float best = *std::max_element(sc, sc + len);
+      for (int64_t g = 0; g < group; ++g) {  // this part's softmax numerators of each query head
+        float* sc = scores.data() + g * n;
+        const float best = *std::max_element(sc, sc + n);
         float total = 0.f;
-        for (int64_t j = 0; j < len; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           sc[j] = std::exp(sc[j] - best);
           total += sc[j];
         }
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
+        maxima[g] = best;
+        sums[g] = total;
       }
-      float* o = op + s * num_heads * dh + kh * group * dh;
-      std::fill(o, o + group * dh, 0.f);
-      for (int64_t j0 = 0; j0 < len; j0 += block_size) {  // probabilities times values, block by block
+      for (int64_t j0 = first; j0 < last; j0 += block_size) {  // numerators times values, block by block
         const float* v = vc + table[j0 / block_size] * block_size * token_stride + kh * dh;
-        for (int64_t j = j0; j < std::min(len, j0 + block_size); ++j, v += token_stride) {
-          for (int64_t g = 0; g < group; ++g) axpy(o + g * dh, scores[g * len + j], v, dh);
+        for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j, v += token_stride) {
+          for (int64_t g = 0; g < group; ++g) axpy(out_part + g * dh, scores[g * n + j - first], v, dh);
+        }
+      }
+      if (parts == 1) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = 1.f / sums[g];
+          for (int64_t i = 0; i < dh; ++i) out_part[g * dh + i] *= inv;
         }
       }
     }
   });
+  for (int64_t pair = 0; parts > 1 && pair < pairs; ++pair) {  // merge each pair's parts: rescale to the common max
+    const int64_t s = pair / kvh, kh = pair % kvh;
+    for (int64_t g = 0; g < group; ++g) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < parts; ++part) {
+        best = std::max(best, partial[(pair * parts + part) * part_floats + group * dh + g]);
+      }
+      float* o = op + s * num_heads * dh + (kh * group + g) * dh;
+      std::fill(o, o + dh, 0.f);
+      float total = 0.f;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* out_part = partial.data() + (pair * parts + part) * part_floats;
+        const float weight = std::exp(out_part[group * dh + g] - best);
+        total += weight * out_part[group * dh + group + g];
+        if (weight > 0.f) axpy(o, weight, out_part + g * dh, dh);
+      }
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < dh; ++i) o[i] *= inv;
+    }
+  }
   return out;
 }
 

@@ -41,8 +41,11 @@ def _decode_inputs(heads: int, kv_heads: int, head_dim: int, lens: list[int], se
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 24), (2, 1, 8)])
-def test_rope_paged_decode_equals_rope_then_paged_attention(heads: int, kv_heads: int, head_dim: int) -> None:
-    lens = [1, 5, 17, 33, 4]
+# Many sequences: one task per (sequence, KV head). Few (fewer pairs than twice the threads): each
+# pair's keys split into parts merged after, including parts left empty by a short sequence.
+@pytest.mark.parametrize("lens", [[1, 5, 17, 33, 4], [33], [1], [3, 41]])
+def test_rope_paged_decode_equals_rope_then_paged_attention(heads: int, kv_heads: int, head_dim: int,
+                                                            lens: list[int]) -> None:
     qkv, cache, meta, cos, sin = _decode_inputs(heads, kv_heads, head_dim, lens, seed=heads)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = apply_rope(q.reshape(-1, heads, head_dim), cos, sin)
