@@ -131,17 +131,17 @@ ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 def pipelines_steps(config: EngineConfig) -> bool:
     """Whether the engine schedules and sends step N+1 before step N's tokens are back (the
-    sampled tokens reach step N+1 on the device). `auto`: on CUDA, where the host's share of a
-    step would otherwise leave the GPU idle; on CPU the worker computes on the same cores the
-    engine would overlap with. Tensor parallelism and speculative decoding keep steps in turn
-    (their ranks and drafts read each step's tokens on the host); `on` with either is refused."""
+    sampled tokens reach step N+1 on the device; under tensor parallelism rank 0 broadcasts them
+    to the other ranks). `auto`: on CUDA, where the host's share of a step would otherwise leave
+    the GPU idle; on CPU the worker computes on the same cores the engine would overlap with.
+    Speculative decoding keeps steps in turn (its drafts are proposed from each step's tokens on
+    the host); `on` with it is refused."""
     mode = config.async_scheduling
     if mode not in ASYNC_SCHEDULING_MODES:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")
     if mode == "off":
         return False
-    blockers = [reason for reason, present in (("tensor parallelism", config.tensor_parallel_size > 1),
-                                                ("speculative decoding", config.speculative is not None)) if present]
+    blockers = ["speculative decoding"] if config.speculative is not None else []
     if mode == "on":
         if blockers:
             raise ValueError(f"async_scheduling 'on' does not work with {' or '.join(blockers)}; use auto or off")

@@ -136,6 +136,14 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def broadcast_from_first(x: torch.Tensor) -> None:
+    """Rank 0's values of `x` on every rank, in place: the tokens of a step scheduled ahead, which
+    only rank 0 sampled. On CUDA it is queued on the stream like the collectives around it."""
+    if _STATE.size == 1:
+        return
+    dist.broadcast(x, src=0)
+
+
 def all_reduce_min(value: int) -> int:
     """The smallest of an integer over ranks (e.g. KV blocks every rank can hold)."""
     if _STATE.size == 1:

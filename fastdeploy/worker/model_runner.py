@@ -24,7 +24,7 @@ import torch
 from fastdeploy.common.config import EngineConfig, ModelConfig, resolve_dtype
 from fastdeploy.common.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
 from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
-from fastdeploy.distributed.parallel_state import all_reduce_min, destroy_tensor_parallel
+from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_from_first, destroy_tensor_parallel
 from fastdeploy.distributed.shard import local_config
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
@@ -195,6 +195,7 @@ class ModelRunner:
             if predecessor is None:
                 raise RuntimeError("a step computes in-flight tokens, but the step before it sampled none")
             predecessor.fill(input_ids, in_flight, self.device)
+            broadcast_from_first(input_ids)  # the other ranks' plan has placeholders there
         hidden = self._forward(input_ids, positions, attn_metadata)
         if not seq_ids:
             if self.mtp is not None:
@@ -213,7 +214,9 @@ class ModelRunner:
                 # redraw ran on the frame stream.
                 if self._frame_side_stream is not None:
                     torch.cuda.current_stream(self.device).wait_stream(self._frame_side_stream)
+                self._plans.send(chunks, drafts)  # the other ranks run the forward pass again too
                 redraw[0].fill(input_ids, in_flight, self.device)
+                broadcast_from_first(input_ids)
                 hidden = self._forward(input_ids, positions, attn_metadata)
                 logits = self._logits(hidden, sample_rows)
         states = [self.sequences[seq_id] for seq_id in seq_ids]
@@ -398,6 +401,8 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids, positions, attn_metadata, sample_rows = input_prep.prepare_inputs(
                 plan.chunks, plan.drafts, self.block_size, self.device)
+            if input_prep.in_flight_slots(plan.chunks):  # tokens only rank 0 sampled, from rank 0
+                broadcast_from_first(input_ids)
             hidden = self._forward(input_ids, positions, attn_metadata)
             if sample_rows:
                 self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device))

@@ -32,8 +32,10 @@ def moe_dir(tmp_path_factory) -> str:
                                 mlp_only_layers=[1], attention_bias=True)
 
 
-def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False) -> list:
+def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False,
+              async_scheduling: str = "off") -> list:
     config = EngineConfig(model=model_dir, device=device, dtype="float32", tensor_parallel_size=tp,
+                          async_scheduling=async_scheduling,
                           guided_decoding_backend="off", cache=CacheConfig(block_size=4, num_blocks=256),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64))
     if worker_process:  # the server's layout: rank 0 in a worker process that spawns the other ranks
@@ -68,6 +70,25 @@ def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(model_dir, worker_
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("worker_process", [False, True], ids=["in-process", "worker-process"])
+def test_two_ranks_with_steps_scheduled_ahead_give_the_tokens_of_one_in_turn(model_dir, worker_process,
+                                                                            monkeypatch):
+    """Asynchronous scheduling under tensor parallelism: rank 1's plans hold placeholders for the
+    tokens rank 0 sampled in the step before, which rank 0 broadcasts."""
+    from fastdeploy.worker import model_runner
+
+    broadcasts = []
+    original = model_runner.broadcast_from_first
+    monkeypatch.setattr(model_runner, "broadcast_from_first", lambda x: (broadcasts.append(x.numel()), original(x)))
+    single = _generate(model_dir, 1)
+    split = _generate(model_dir, 2, worker_process=worker_process, async_scheduling="on")
+    if not worker_process:  # rank 0 in this process: the steps did read tokens in flight
+        assert len(broadcasts) >= 20, broadcasts
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
+
+
 def test_two_ranks_of_a_moe_model_give_the_tokens_of_one(moe_dir):
     single = _generate(moe_dir, 1)
     split = _generate(moe_dir, 2)
@@ -83,6 +104,8 @@ def test_two_gpus_give_the_greedy_tokens_of_one(request, which):
     path = request.getfixturevalue(which)  # Qwen2, and Qwen3-MoE through the fused MoE
     single = _generate(path, 1, device="cuda")
     split = _generate(path, 2, device="cuda")
+    ahead = _generate(path, 2, device="cuda", async_scheduling="on")  # rank 0 broadcasts in-flight tokens
+    assert [tokens for tokens, _ in ahead] == [tokens for tokens, _ in split]
     for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-3, rtol=1e-3)

@@ -307,11 +307,10 @@ def test_modes_and_what_refuses_them() -> None:
     assert not pipelines_steps(cpu) and pipelines_steps(cuda)
     assert pipelines_steps(dataclasses.replace(cpu, async_scheduling="on"))
     assert not pipelines_steps(dataclasses.replace(cuda, async_scheduling="off"))
-    assert not pipelines_steps(dataclasses.replace(cuda, tensor_parallel_size=2))
+    assert pipelines_steps(dataclasses.replace(cuda, tensor_parallel_size=2))  # rank 0 broadcasts the tokens
+    assert pipelines_steps(EngineArgs(async_scheduling="on", tensor_parallel_size=2).create_engine_config())
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     assert not pipelines_steps(dataclasses.replace(cuda, speculative=spec))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineArgs(async_scheduling="on", tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="speculative decoding"):
         EngineArgs(async_scheduling="on", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
                    ).create_engine_config()
@@ -323,8 +322,9 @@ def test_the_server_refuses_on_where_steps_cannot_overlap(capsys) -> None:
     """A usage error naming the conflict, before anything starts."""
     from fastdeploy.entrypoints.openai.api_server import build_app, make_parser
 
-    with pytest.raises(SystemExit, match="does not work with tensor parallelism"):
-        build_app(make_parser().parse_args(["--async-scheduling", "on", "--tensor-parallel-size", "2"]))
+    with pytest.raises(SystemExit, match="does not work with speculative decoding"):
+        build_app(make_parser().parse_args(["--async-scheduling", "on", "--speculative-config",
+                                            '{"method": "ngram", "num_speculative_tokens": 2}']))
     with pytest.raises(SystemExit):  # argparse: not a mode
         make_parser().parse_args(["--async-scheduling", "sometimes"])
     assert "--async-scheduling" in make_parser().format_help()
