@@ -193,7 +193,7 @@ class SamplingBitmaps(msgspec.Struct, array_like=True, frozen=True, gc=False, ta
 
     width: int = 0  # bytes per bitmap row
     present: ByteBuffer = _NO_IDS  # uint8 [n]: 1 = a bitmap row, 0 = null
-    bits: ByteBuffer = _NO_IDS  # uint8 [width * sum(present)]
+    bits: IdsBuffer = _NO_IDS  # uint8 [width * sum(present)]; the engine's: a flat numpy view
 
     def __len__(self) -> int:
         return len(self.present)
@@ -229,11 +229,35 @@ class SamplingBitmaps(msgspec.Struct, array_like=True, frozen=True, gc=False, ta
         return out
 
 
-def bitmap_rows(rows: np.ndarray) -> SamplingBitmaps:
+def bitmap_rows(rows: np.ndarray, present: np.ndarray | None = None) -> SamplingBitmaps:
     """uint8 [n, width] bitmaps, one per token, all zero for a null row (a kept set is never
-    empty), as a run: the worker's form (`StepOutput.mask_bits`) to the wire's."""
-    present = rows.any(axis=1)
+    empty), as a run: the worker's form (`StepOutput.mask_bits`) to the wire's.
+
+    `present` (bool [n], from `rows_present`) spares the pass over the rows. When every row
+    is a bitmap, as in a truncated step, the run's bits are a flat view of `rows` (the engine
+    sends them as msgpack binary through `encode_buffers`), not a copy."""
+    if present is None:
+        present = rows_present(rows)
+    if present.all():
+        return SamplingBitmaps(rows.shape[1], _ones(len(present)), np.ascontiguousarray(rows).reshape(-1))
     return SamplingBitmaps(rows.shape[1], present.astype(np.uint8).tobytes(), rows[present].tobytes())
+
+
+def rows_present(bits: np.ndarray) -> np.ndarray:
+    """bool [...]: whether each bitmap (the last axis of `bits`) has a bit set; a null row has
+    none. One pass over a step's bitmaps, read 8 bytes at a time where the width allows."""
+    width = bits.shape[-1]
+    flat = bits.reshape(-1, width)
+    if width % 8 == 0 and flat.flags.c_contiguous:
+        flat = flat.view(np.uint64)
+    return flat.any(axis=1).reshape(bits.shape[:-1])
+
+
+_ONES = b"\x01" * 64
+
+
+def _ones(n: int) -> bytes:
+    return _ONES[:n] if n <= len(_ONES) else b"\x01" * n
 
 
 def concat_bitmaps(runs: Sequence[SamplingBitmaps]) -> SamplingBitmaps:

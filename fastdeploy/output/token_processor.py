@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from fastdeploy.common.request import RequestDelta
-from fastdeploy.common.sampling_masks import LOGZ_BYTES, bitmap_rows, logz_buffer, split_runs
+from fastdeploy.common.sampling_masks import LOGZ_BYTES, bitmap_rows, logz_buffer, rows_present, split_runs
 from fastdeploy.common.step_frame import FrameBuffer, StepFrame, split_by_sequence, unpack_step_frame
 from fastdeploy.scheduler.sequence import Sequence
 
@@ -121,13 +121,17 @@ class TokenProcessor:
         starts = frame.num_tokens.cumsum().tolist()
         logz = logz_buffer(frame.logz)
         bits = applied.mask_bits
+        present = None  # bool [B, S]: one pass over the step's bitmaps, not one per delta
         for masked in applied.masked:
             count = counts[masked.run]
             start = starts[masked.run] - count
             if masked.bitmap:
                 if bits is None:
                     raise ValueError("a sequence asked for bitmaps but the step sent none")
-                masked.delta.sampling_mask = bitmap_rows(bits[masked.run, :masked.kept])
+                if present is None:
+                    present = rows_present(bits)
+                masked.delta.sampling_mask = bitmap_rows(bits[masked.run, :masked.kept],
+                                                         present[masked.run, :masked.kept])
             else:
                 run = runs[masked.run]
                 # Most deltas keep their whole run; `head` is the cut at a finishing token.

@@ -191,3 +191,40 @@ def test_a_served_choice_encodes_bitmaps_as_they_arrive_into_the_same_json(vocab
     empty = ServedChoice(0)
     empty.add(OutputChunk("", [], None, whole.head(0), [], None, None, None, 500, 3))
     assert orjson.loads(orjson.dumps(extra_fields(empty, False)))["sampling_mask"] == []
+
+
+def test_a_spliced_body_equals_the_joined_one(monkeypatch):
+    """Two choices' bitmap arrays written into the body as pieces (blocks of a few tokens here)
+    give the same JSON, byte for byte, as the arrays copied into the body."""
+    import asyncio
+
+    from fastdeploy.entrypoints.openai import formatting
+
+    monkeypatch.setattr(formatting, "MASK_BLOCK_BYTES", 20_000)
+    vocab_size = 152064
+    rng = np.random.default_rng(1)
+    choices = []
+    for index in range(2):
+        lists = [sorted(rng.choice(vocab_size, 50, replace=False).tolist()) for _ in range(7)]
+        lists[3] = None
+        choice = ServedChoice(index)
+        for lo, hi in [(0, 1), (1, 2), (2, 5), (5, 7)]:
+            run = bitmap_rows(bitmap_array(lists[lo:hi], vocab_size))
+            choice.add(OutputChunk("", list(range(lo, hi)), None, run, [0.5] * (hi - lo), None, None, None, 500, 3))
+        choices.append(choice)
+
+    def body(splices):
+        return {"choices": [{"index": c.index, "text": "\x00 a", **extra_fields(c, True, splices)} for c in choices]}
+
+    joined = formatting.json_response(body(None)).body
+    splices: list[list[bytes]] = []
+    response = formatting.json_response(body(splices), splices=splices)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(response(None, None, send))
+    assert b"".join(m["body"] for m in sent[1:]) == joined
+    assert [m["more_body"] for m in sent[1:]] == [True] * (len(sent) - 2) + [False]
+    assert int(response.headers["content-length"]) == len(joined)

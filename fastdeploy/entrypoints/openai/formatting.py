@@ -60,27 +60,65 @@ class ServedChoice(CompletionOutput):
     """A choice of a non-streaming response. Bitmap masks become their JSON items as each chunk
     arrives, while the request still runs: at a 7B vocabulary a 256-token answer's bitmaps are
     6.5 MB of base64, and the requests of an RL batch tend to end together, so encoding them
-    all at the end stalls the server's event loop just when the next requests arrive."""
+    all at the end stalls the server's event loop just when the next requests arrive.
+
+    The items are kept as pieces (a token's base64 and the quotes and commas around it), joined
+    into blocks of about `MASK_BLOCK_BYTES` as they fill: a token costs one base64 encoding and
+    one copy into its block, and the finished array is the blocks as they are, which the
+    response writes one after the other (`json_response`'s splices) without joining them."""
 
     def __init__(self, index: int) -> None:
         super().__init__(index=index)
-        self.bitmaps = False  # the choice's masks are bitmaps (then kept only as `bitmap_items`)
-        self.bitmap_items: list[bytes] = []
+        self.bitmaps = False  # the choice's masks are bitmaps (then kept only as JSON pieces)
+        self._mask_blocks: list[bytes] = []
+        self._mask_pieces: list[bytes | memoryview] = []  # not yet in a block
+        self._mask_pending = 0  # bytes in `_mask_pieces`
+        self._mask_items = 0
 
     def _keep_masks(self, masks: SampledMasks) -> None:
-        if isinstance(masks, SamplingBitmaps):
-            self.bitmaps = True
-            if len(masks):
-                self.bitmap_items.append(bitmap_items(masks))
-        else:
+        if not isinstance(masks, SamplingBitmaps):
             super()._keep_masks(masks)
+            return
+        self.bitmaps = True
+        if not len(masks):
+            return
+        self._mask_pending += bitmap_pieces(masks, self._mask_pieces, first=self._mask_items == 0)
+        self._mask_items += len(masks)
+        if self._mask_pending >= MASK_BLOCK_BYTES:
+            self._mask_blocks.append(b"".join(self._mask_pieces))
+            self._mask_pieces.clear()
+            self._mask_pending = 0
+
+    def mask_json_parts(self) -> list[bytes]:
+        """The bitmaps' JSON array as consecutive pieces (their concatenation is the array)."""
+        if self._mask_pieces:
+            self._mask_blocks.append(b"".join(self._mask_pieces))
+            self._mask_pieces.clear()
+            self._mask_pending = 0
+        return [b"[", *self._mask_blocks, b"]"]
 
 
-def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_ids: bool) -> dict:
-    """The fields OpenAI does not have: sampling masks and token ids."""
+# A marker orjson writes verbatim where a spliced value goes: a raw NUL byte, which orjson's
+# own output never holds (it escapes control characters in strings).
+_SPLICE_MARK = b"\x00"
+_SPLICE = orjson.Fragment(_SPLICE_MARK)
+MASK_BLOCK_BYTES = 1 << 20
+
+
+def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_ids: bool,
+                 splices: list[list[bytes]] | None = None) -> dict:
+    """The fields OpenAI does not have: sampling masks and token ids.
+
+    With `splices`, a served choice's bitmap array is not copied into the body: its pieces are
+    appended there and the field holds a marker that `json_response(..., splices)` replaces."""
     extra: dict[str, Any] = {}
     if isinstance(chunk_or_choice, ServedChoice) and chunk_or_choice.bitmaps:
-        extra["sampling_mask"] = orjson.Fragment(b"[" + b",".join(chunk_or_choice.bitmap_items) + b"]")
+        parts = chunk_or_choice.mask_json_parts()
+        if splices is None:
+            extra["sampling_mask"] = orjson.Fragment(b"".join(parts))
+        else:
+            splices.append(parts)
+            extra["sampling_mask"] = _SPLICE
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     elif (masks := chunk_or_choice.sampling_masks) is not None:
         extra["sampling_mask"] = bitmaps_json(masks) if isinstance(masks, SamplingBitmaps) else masks.id_rows()
@@ -93,36 +131,51 @@ def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_i
 def bitmaps_json(bitmaps: SamplingBitmaps) -> orjson.Fragment:
     """The JSON array of a run's bitmaps: one standard padded base64 string per token, null for
     a null row."""
-    return orjson.Fragment(b"[" + bitmap_items(bitmaps) + b"]")
+    pieces: list[bytes | memoryview] = [b"["]
+    bitmap_pieces(bitmaps, pieces, first=True)
+    pieces.append(b"]")
+    return orjson.Fragment(b"".join(pieces))
 
 
 def bitmap_items(bitmaps: SamplingBitmaps) -> bytes:
     """A run's bitmaps as JSON array items without the brackets: `"<base64>"` or `null` per
-    token, comma-separated.
+    token, comma-separated."""
+    pieces: list[bytes | memoryview] = []
+    bitmap_pieces(bitmaps, pieces, first=True)
+    return b"".join(pieces)
 
-    pybase64 (SIMD) encodes about 8x faster than binascii, which took 45 µs of the 100 µs a
-    152k-vocabulary token cost the server. When every row is a bitmap and a row is a whole
-    number of 3-byte groups, the run is encoded in one call and numpy puts the quotes and
-    commas between the rows' equal-length strings."""
+
+def bitmap_pieces(bitmaps: SamplingBitmaps, pieces: list[bytes | memoryview], first: bool) -> int:
+    """Append a run's JSON array items to `pieces` (a comma before each but the array's first
+    item), as pieces to be joined once; returns the bytes appended.
+
+    pybase64 (SIMD) encodes about 8x faster than binascii. When every row is a bitmap and a
+    row is a whole number of 3-byte groups (152,064 ids: 19,008 bytes), the run is encoded in
+    one call and its rows are views of the one string. A memoryview of a msgpack message
+    (the API server's decoded delta) is encoded as it lies, without a copy."""
     present = np.frombuffer(bitmaps.present, np.uint8)
     width = bitmaps.width
-    if len(present) and present.all() and width % 3 == 0:
-        encoded = np.frombuffer(pybase64.b64encode(bitmaps.bits), np.uint8).reshape(len(present), -1)
-        rows = np.empty((len(present), encoded.shape[1] + 3), np.uint8)
-        rows[:, 0] = rows[:, -2] = ord('"')
-        rows[:, 1:-2] = encoded
-        rows[:, -1] = ord(",")
-        return rows.tobytes()[:-1]
-    bits = memoryview(bitmaps.bits)
-    items = []
+    size = 0
+    if len(present) and width % 3 == 0 and present.all():
+        encoded = memoryview(pybase64.b64encode(bitmaps.bits))
+        step = width // 3 * 4
+        for start in range(0, len(encoded), step):
+            pieces += (b'"' if first else b',"', encoded[start:start + step], b'"')
+            first = False
+        return len(encoded) + 3 * len(present)
+    bits = memoryview(bitmaps.bits).cast("B")
     start = 0
     for flag in present.tolist():
         if flag:
-            items.append(b'"' + pybase64.b64encode(bits[start:start + width]) + b'"')
+            row = pybase64.b64encode(bits[start:start + width])
+            pieces += (b'"' if first else b',"', row, b'"')
+            size += len(row) + 3
             start += width
         else:
-            items.append(b"null")
-    return b",".join(items)
+            pieces.append(b"null" if first else b",null")
+            size += 5
+        first = False
+    return size
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -134,8 +187,55 @@ def encode_json(payload: dict) -> bytes:
     return orjson.dumps(payload, option=_JSON_OPTIONS)
 
 
-def json_response(payload: dict, status_code: int = 200) -> Response:
-    return Response(encode_json(payload), status_code=status_code, media_type="application/json")
+def json_response(payload: dict, status_code: int = 200, splices: list[list[bytes]] | None = None) -> Response:
+    """The JSON body of `payload`; with `splices` (from `extra_fields`), each marker in it is
+    replaced by its pieces, in order, and the body is written part by part (`PartsResponse`)."""
+    body = encode_json(payload)
+    if not splices:
+        return Response(body, status_code=status_code, media_type="application/json")
+    between = body.split(_SPLICE_MARK)
+    if len(between) != len(splices) + 1:
+        raise ValueError(f"{len(splices)} splices for {len(between) - 1} markers")
+    parts = [between[0]]
+    for pieces, after in zip(splices, between[1:], strict=True):
+        parts += pieces
+        parts.append(after)
+    return PartsResponse(parts, status_code=status_code, media_type="application/json")
+
+
+class PartsResponse(Response):
+    """A body sent as consecutive parts, never joined into one buffer: a non-streaming answer
+    with bitmap masks is megabytes, the requests of a batch end together, and every copy of
+    every answer would hold the event loop. Large parts are sent one ASGI message each, so
+    the server waits for the socket to drain between them instead of buffering the whole
+    body; small neighbours are merged (a message costs the HTTP layer a few microseconds)."""
+
+    def __init__(self, parts: list[bytes], status_code: int = 200, media_type: str | None = None) -> None:
+        self.parts = _merge_small(parts)
+        super().__init__(None, status_code=status_code, media_type=media_type)
+        self.headers["content-length"] = str(sum(len(p) for p in self.parts))
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.parts) - 1
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < last})
+
+
+def _merge_small(parts: list[bytes], small: int = 64 << 10) -> list[bytes]:
+    merged: list[bytes] = []
+    run: list[bytes] = []
+    for part in parts:
+        if len(part) >= small:
+            if run:
+                merged.append(b"".join(run))
+                run = []
+            merged.append(part)
+        else:
+            run.append(part)
+    if run or not merged:
+        merged.append(b"".join(run))
+    return merged
 
 
 def sse(payload: dict | str) -> bytes:

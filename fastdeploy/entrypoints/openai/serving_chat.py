@@ -52,6 +52,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _full(self, request, request_id, model, prompt_text, prompt, engine_requests) -> Response:
         choices = await self.collect_choices(engine_requests)
+        splices: list[list[bytes]] = []  # bitmap arrays, written into the body without a copy
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -64,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
                     "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    **extra_fields(c, request.return_token_ids),
+                    **extra_fields(c, request.return_token_ids, splices),
                 }
                 for i, c in enumerate(choices)
             ],
@@ -72,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         }
         if request.return_token_ids:
             body["prompt_token_ids"] = prompt
-        return json_response(body)
+        return json_response(body, splices=splices)
 
     async def _stream(self, request, request_id, model, prompt_text, prompt,
                       engine_requests) -> AsyncGenerator[bytes, None]:

@@ -37,6 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _full(self, request, request_id, model, prompts, engine_requests) -> Response:
         choices = await self.collect_choices(engine_requests)
+        splices: list[list[bytes]] = []  # bitmap arrays, written into the body without a copy
         body = {
             "id": request_id,
             "object": "text_completion",
@@ -49,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "logprobs": completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    **extra_fields(c, request.return_token_ids),
+                    **extra_fields(c, request.return_token_ids, splices),
                 }
                 for i, c in enumerate(choices)
             ],
@@ -59,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
             n = request.n
             for i, choice in enumerate(body["choices"]):
                 choice["prompt_token_ids"] = prompts[i // n]
-        return json_response(body)
+        return json_response(body, splices=splices)
 
     async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncGenerator[bytes, None]:
         created = int(time.time())
