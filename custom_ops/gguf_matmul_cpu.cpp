@@ -2,8 +2,8 @@
 //
 // The weight is gguf's float32 dequantization of it (Q4_1: w = q * d + m, Q8_0: w = q * d, d and
 // m float16 widened to float32), with float32 activations and accumulators: the result is the
-// dense float32 matmul on the dequantized weight, up to float32 rounding. Each decode step then reads 5 (Q4_1) or 8.5 (Q8_0)
-// bits per weight instead of 32.
+// dense float32 matmul on the dequantized weight, up to float32 rounding. Each decode step then
+// reads 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32.
 //
 // Three regimes by the number of rows M of x:
 //   M == 1         one pass over the blocks: Q8_0 dequantized in registers and used at once, Q4_1

@@ -250,7 +250,7 @@ def rows_present(bits: np.ndarray) -> np.ndarray:
     flat = bits.reshape(-1, width)
     if width % 8 == 0 and flat.flags.c_contiguous:
         flat = flat.view(np.uint64)
-    return flat.any(axis=1).reshape(bits.shape[:-1])
+    return np.asarray(flat.any(axis=1)).reshape(bits.shape[:-1])
 
 
 _ONES = b"\x01" * 64
@@ -260,8 +260,16 @@ def _ones(n: int) -> bytes:
     return _ONES[:n] if n <= len(_ONES) else b"\x01" * n
 
 
+def byte_view(data: IdsBuffer) -> memoryview:
+    """A buffer field (bytes, a decoded memoryview or the engine's contiguous numpy view) as a
+    flat memoryview of its bytes, without a copy."""
+    view = data.data if isinstance(data, np.ndarray) else memoryview(data)
+    return view.cast("B")
+
+
 def concat_bitmaps(runs: Sequence[SamplingBitmaps]) -> SamplingBitmaps:
-    return SamplingBitmaps(runs[0].width, b"".join(r.present for r in runs), b"".join(r.bits for r in runs))
+    return SamplingBitmaps(runs[0].width, b"".join(r.present for r in runs),
+                           b"".join(byte_view(r.bits) for r in runs))
 
 
 SampledMasks = SamplingMasks | SamplingBitmaps  # a delta's masks in either wire format

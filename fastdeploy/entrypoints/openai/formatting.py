@@ -15,7 +15,7 @@ import orjson
 import pybase64
 from fastapi.responses import Response
 
-from fastdeploy.common.sampling_masks import SampledMasks, SamplingBitmaps
+from fastdeploy.common.sampling_masks import SampledMasks, SamplingBitmaps, byte_view
 from fastdeploy.output.output_processor import CompletionOutput, OutputChunk, TokenLogprob
 
 # JSON has no -Infinity: a logprob of -inf (a token outside the kept set, processed logprobs)
@@ -137,14 +137,6 @@ def bitmaps_json(bitmaps: SamplingBitmaps) -> orjson.Fragment:
     return orjson.Fragment(b"".join(pieces))
 
 
-def bitmap_items(bitmaps: SamplingBitmaps) -> bytes:
-    """A run's bitmaps as JSON array items without the brackets: `"<base64>"` or `null` per
-    token, comma-separated."""
-    pieces: list[bytes | memoryview] = []
-    bitmap_pieces(bitmaps, pieces, first=True)
-    return b"".join(pieces)
-
-
 def bitmap_pieces(bitmaps: SamplingBitmaps, pieces: list[bytes | memoryview], first: bool) -> int:
     """Append a run's JSON array items to `pieces` (a comma before each but the array's first
     item), as pieces to be joined once; returns the bytes appended.
@@ -157,13 +149,13 @@ def bitmap_pieces(bitmaps: SamplingBitmaps, pieces: list[bytes | memoryview], fi
     width = bitmaps.width
     size = 0
     if len(present) and width % 3 == 0 and present.all():
-        encoded = memoryview(pybase64.b64encode(bitmaps.bits))
+        encoded = memoryview(pybase64.b64encode(byte_view(bitmaps.bits)))
         step = width // 3 * 4
         for start in range(0, len(encoded), step):
             pieces += (b'"' if first else b',"', encoded[start:start + step], b'"')
             first = False
         return len(encoded) + 3 * len(present)
-    bits = memoryview(bitmaps.bits).cast("B")
+    bits = byte_view(bitmaps.bits)
     start = 0
     for flag in present.tolist():
         if flag:
