@@ -189,7 +189,8 @@ at::Tensor rope_paged_decode(at::Tensor& qkv, const at::Tensor& cos, const at::T
   // thread doing two), so each pair's keys are split into block-aligned parts, each part's softmax
   // kept unnormalised (its max, its sum, its weighted values), and the parts merged after.
   const int64_t pairs = seqs * kvh, threads = at::get_num_threads();
-  const int64_t parts = pairs >= 2 * threads ? 1 : std::min<int64_t>((2 * threads + pairs - 1) / pairs, max_blocks);
+  const int64_t parts =
+      pairs >= 2 * threads ? 1 : std::min<int64_t>((2 * threads + pairs - 1) / pairs, max_blocks);
   const int64_t tasks = pairs * parts, part_floats = group * (dh + 2);  // per head: dh weighted values, max, sum
   std::vector<float> partial(parts > 1 ? tasks * part_floats : 0);
   at::Tensor out = at::empty({seqs, num_heads * dh}, qkv.options());

@@ -141,12 +141,12 @@ def pipelines_steps(config: EngineConfig) -> bool:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")
     if mode == "off":
         return False
-    blockers = ["speculative decoding"] if config.speculative is not None else []
+    speculative = config.speculative is not None
     if mode == "on":
-        if blockers:
-            raise ValueError(f"async_scheduling 'on' does not work with {' or '.join(blockers)}; use auto or off")
+        if speculative:
+            raise ValueError("async_scheduling 'on' does not work with speculative decoding; use auto or off")
         return True
-    return config.device.startswith("cuda") and not blockers
+    return config.device.startswith("cuda") and not speculative
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

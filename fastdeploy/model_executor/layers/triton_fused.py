@@ -56,7 +56,7 @@ def add_rms_norm(
 @triton.jit
 def _store_kv(
     X, KV, Slots, tok, stride_x, plane_stride, slot_stride, heads, d, ok, y1, y2, num_q_heads, num_heads,
-    num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    num_kv_heads, HALF: tl.constexpr, KV_PAD: tl.constexpr,
 ):  # fmt: skip
     """Token `tok`'s rotated K heads (y1/y2 of heads num_q_heads..num_heads) and its V heads (read from
     X after the K heads) into the paged cache KV [2, blocks, block_size, kv_heads, head_dim] at its slot."""
@@ -95,7 +95,7 @@ def _rope_kernel(
     tl.store(base + HALF, y2.to(X.dtype.element_ty), mask=ok)
     if WRITE_KV:
         _store_kv(X, KV, Slots, tok, stride_x, plane_stride, slot_stride, heads, d, ok, y1, y2, num_q_heads,
-                  num_heads, num_kv_heads, HALF, HALF_PAD, KV_PAD)
+                  num_heads, num_kv_heads, HALF, KV_PAD)
 
 
 def _cache_args(cache: CacheWrite | None, qkv: torch.Tensor) -> tuple:
@@ -159,7 +159,7 @@ def _qk_norm_rope_kernel(
     tl.store(base + HALF, r2.to(dtype), mask=ok)
     if WRITE_KV:
         _store_kv(X, KV, Slots, tok, stride_x, plane_stride, slot_stride, heads, d, ok, r1, r2, num_q_heads,
-                  num_heads, num_kv_heads, HALF, HALF_PAD, KV_PAD)
+                  num_heads, num_kv_heads, HALF, KV_PAD)
 
 
 def qk_norm_rope_(
