@@ -70,6 +70,8 @@ class TensorParallelState:
 
 
 _STATE = TensorParallelState()
+# Symmetric-memory rendezvous this process has attempted (see `_symmetric_all_reduce`).
+_RENDEZVOUS_ATTEMPTS = 0
 
 
 def init_tensor_parallel(rank: int, size: int, init_file: str, device: torch.device,
@@ -95,6 +97,17 @@ def _symmetric_all_reduce(device: torch.device, cpu_group: dist.ProcessGroup) ->
     GPUs, a PyTorch built with it), else None on every rank: the ranks must agree on the path."""
     world = dist.group.WORLD
     assert world is not None, "called after init_process_group"
+    global _RENDEZVOUS_ATTEMPTS
+    # PyTorch numbers a process's symmetric-memory rendezvous in the keys it exchanges, and no
+    # teardown resets that count: a rank whose process set one up before (a second offline engine
+    # in the same process) would wait forever on keys its fresh peers never write. The ranks
+    # compare their counts first and take NCCL together when they differ.
+    counts = torch.tensor([_RENDEZVOUS_ATTEMPTS, -_RENDEZVOUS_ATTEMPTS], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=cpu_group)
+    if int(counts[0]) != -int(counts[1]):
+        logger.warning("symmetric-memory all-reduce unavailable (a rank's process set one up before); using NCCL")
+        return None
+    _RENDEZVOUS_ATTEMPTS += 1
     try:
         symmetric: SymmetricAllReduce | None = SymmetricAllReduce(device, world)
     except Exception as exc:  # noqa: BLE001 - any failure to set it up means NCCL, said once in the log
