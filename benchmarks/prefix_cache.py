@@ -9,7 +9,8 @@ Starts `fastdeploy serve` twice on the same model (default: the embedded SmolLM2
 
 - ttft: a streamed request whose prompt is a fresh long prefix (about --prefix-tokens tokens)
   plus a question, then a second one with the same prefix and another question; time to the
-  first token of each, per trial (medians over --ttft-trials).
+  first token of each (the first event with a token id), per trial (medians over
+  --ttft-trials); also the time to the first non-empty text (`text_ttft_*`).
 - grpo: --grpo-prompts prompts of about --grpo-prompt-tokens tokens, each sampled --grpo-n
   times (`n`, temperature 1), --grpo-max-tokens tokens out (EOS ignored), --concurrency
   requests in flight: output tok/s.
@@ -61,29 +62,45 @@ def long_text(seed: int, approx_tokens: int) -> str:
     return f"Document {seed}. " + " ".join(words) + "."
 
 
-async def first_token_s(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int = 4) -> float:
+async def first_token_s(client: httpx.AsyncClient, server: Server, prompt: str,
+                        max_tokens: int = 4) -> tuple[float, float]:
+    """Seconds to the first streamed token (the first event carrying a token id) and to the
+    first non-empty text. They differ when a token has no text of its own: a byte of a
+    multi-byte character, or, with dummy weights and another model's tokenizer, an id past
+    that tokenizer's vocabulary."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, "return_token_ids": True}
     start = time.perf_counter()
-    first = None
+    first = first_text = float("nan")
     async with client.stream("POST", server.base + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if first is None and line.startswith("data: ") and line != "data: [DONE]" \
-                    and json.loads(line[6:])["choices"][0].get("text"):
-                first = time.perf_counter() - start
-    return first if first is not None else float("nan")
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            now = time.perf_counter() - start
+            if first != first and choice.get("token_ids"):
+                first = now
+            if first_text != first_text and choice.get("text"):
+                first_text = now
+    return first, first_text
 
 
 async def ttft_load(server: Server, trials: int, prefix_tokens: int, seed0: int) -> dict:
-    firsts, repeats = [], []
+    firsts, repeats, text_firsts, text_repeats = [], [], [], []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         for t in range(trials):
             prefix = long_text(seed0 + t, prefix_tokens)
-            firsts.append(await first_token_s(client, server, prefix + " Question: what is it about?"))
-            repeats.append(await first_token_s(client, server, prefix + " Question: who wrote it?"))
+            token_s, text_s = await first_token_s(client, server, prefix + " Question: what is it about?")
+            firsts.append(token_s)
+            text_firsts.append(text_s)
+            token_s, text_s = await first_token_s(client, server, prefix + " Question: who wrote it?")
+            repeats.append(token_s)
+            text_repeats.append(text_s)
     return {"ttft_first_s": statistics.median(firsts), "ttft_repeat_s": statistics.median(repeats),
-            "ttft_ratio": statistics.median(r / f for r, f in zip(repeats, firsts, strict=True))}
+            "ttft_ratio": statistics.median(r / f for r, f in zip(repeats, firsts, strict=True)),
+            "ttft_trials_s": {"first": firsts, "repeat": repeats},
+            "text_ttft_first_s": statistics.median(text_firsts), "text_ttft_repeat_s": statistics.median(text_repeats)}
 
 
 async def grpo_load(server: Server, args: argparse.Namespace, seed0: int) -> dict:

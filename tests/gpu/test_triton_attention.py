@@ -109,3 +109,77 @@ def test_decode_padding_rows_write_zeros() -> None:
     paged_decode_attention(q, cache[0], cache[1], tables, lens, head_dim**-0.5, out)
     assert torch.isfinite(out[:2]).all()
     assert (out[2] == 0).all()
+
+
+def _shared_prefix_batch(block_size: int, head_dim: int, group: int, seed: int, device: str, dtype: torch.dtype):
+    """Decode rows that share cache blocks as the engine makes them: a prompt's n samples (its
+    full blocks shared, then each sample's own blocks), one sequence's draft rows (one table,
+    lengths one apart), lone rows and a padding row, the batch not a multiple of a tile. Also
+    the same K/V with every row in blocks of its own (nothing shared), and the float64 rows."""
+    g = torch.Generator().manual_seed(seed)
+    heads = KVH * group
+    # (shared prefix tokens, own tokens) per row; the same key = the same prefix blocks.
+    layout = [("a", 200, 13), ("a", 200, 40), ("a", 200, 1), ("a", 200, 77), ("a", 200, 64), ("x", 0, 90),
+              ("b", 128, 3), ("b", 128, 70), ("p", 0, 0), ("d", 150, 1), ("d", 150, 2), ("d", 150, 3),
+              ("y", 0, 5), ("c", 300, 9), ("c", 300, 10)]
+    prefix_blocks = {key: -(-tokens // block_size) for key, tokens, _ in layout}
+    total = 1 + sum(prefix_blocks.values()) + sum(-(-(t + own) // block_size) + 1 for _, t, own in layout)
+    total *= 2  # room for the unshared copy
+    free = (torch.randperm(total - 1, generator=g) + 1).tolist()
+    cache = torch.randn(2, total, block_size, KVH, head_dim, generator=g, dtype=torch.float64)
+    cache[:, 0] = 1e3  # table padding points here and must never be read
+    prefixes = {key: [free.pop() for _ in range(n)] for key, n in prefix_blocks.items()}
+    shared_tables, own_tables, lens = [], [], []
+    for key, tokens, own in layout:
+        ctx = tokens + own if key != "p" else 0
+        if key == "d":  # draft rows: one sequence, one table, one more token each
+            if "d_tail" not in prefixes:
+                prefixes["d_tail"] = [free.pop()]  # the block the last drafts may spill into
+            table = (prefixes[key] + prefixes["d_tail"])[: -(-(tokens + 3) // block_size)]
+        else:
+            full = tokens // block_size  # a prefix's last partial block is each sample's own copy
+            table = prefixes[key][:full] + [free.pop() for _ in range(-(-ctx // block_size) - full)]
+            if full < len(prefixes[key]):
+                cache[:, table[full]] = cache[:, prefixes[key][full]]
+        shared_tables.append(table)
+        lens.append(ctx)
+        # The unshared copy: the same keys and values in blocks no other row uses.
+        copy = [free.pop() for _ in table]
+        for src, dst in zip(table, copy, strict=True):
+            cache[:, dst] = cache[:, src]
+        own_tables.append(copy)
+    width = max(len(t) for t in shared_tables) + 2
+    def pad(tables):
+        out = torch.zeros(len(tables), width, dtype=torch.long)
+        for i, t in enumerate(tables):
+            out[i, : len(t)] = torch.tensor(t)
+        return out
+    q = torch.randn(len(layout), heads, head_dim, generator=g, dtype=torch.float64)
+    lens_t = torch.tensor(lens)
+    ref = Attention(heads, KVH, head_dim, head_dim**-0.5)._decode(q, cache[0], cache[1], AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(layout),
+        decode_block_tables=pad(shared_tables), decode_context_lens=lens_t, prefills=[], block_size=block_size))
+    to = {"device": device, "dtype": dtype}
+    return (q.to(**to), cache.to(**to), pad(shared_tables).to(device), pad(own_tables).to(device),
+            lens_t.to(device), ref)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(4, 128, 16), (3, 64, 8), (2, 64, 32), (7, 128, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_rows_sharing_a_prefix_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype) -> None:
+    """Rows that share prefix blocks are attended together (the prefix read once for the tile),
+    and give exactly what the same rows give with every block their own; both match float64."""
+    from fastdeploy.model_executor.layers.triton_attention import paged_decode_attention
+
+    q, cache, shared, alone, lens, ref = _shared_prefix_batch(block_size, head_dim, group, group * block_size,
+                                                              "cuda", dtype)
+    out_shared = torch.full_like(q, float("nan"))
+    out_alone = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache[0], cache[1], shared, lens, head_dim**-0.5, out_shared)
+    paged_decode_attention(q, cache[0], cache[1], alone, lens, head_dim**-0.5, out_alone)
+    torch.cuda.synchronize()
+    assert torch.equal(out_shared, out_alone)
+    assert (out_shared[lens == 0] == 0).all()
+    live = (lens > 0).cpu()
+    err = (out_shared.double().cpu() - ref)[live].flatten(1).norm(dim=1) / ref[live].flatten(1).norm(dim=1)
+    assert err.max().item() < (1e-5 if dtype == torch.float32 else 3e-2)

@@ -1,17 +1,29 @@
 """Paged attention on CUDA in Triton: decode (one query per sequence) and chunked prefill.
 
-One kernel serves both. A program owns one KV head and a tile of "query rows", a row being
-one (token, query head) pair of that KV head's group: `row = token * GROUP + head_in_group`.
+In both kernels a program owns one KV head and a tile of "query rows", a row being one
+(token, query head) pair of that KV head's group: `row = token * GROUP + head_in_group`.
 Packing the GROUP query heads that share a KV head into one tile reads each K/V block once
 per group (GQA) and, for decode, fills the 16 rows a tensor-core dot needs with the group's
-heads instead of padding. Keys are gathered token by token through the block table, so the
-tile width (BLOCK_N) is independent of the cache's block size.
+heads (and the rows of sequences that share a prefix, below) instead of padding. Keys are
+gathered token by token through the block table, so the tile width (BLOCK_N) is independent of
+the cache's block size.
 
 Causality is bottom-right aligned: a chunk's query `i` sits at position
 `context_len - query_len + i` and sees keys `0 .. that position`. The new K/V are written to
 the cache before the kernel runs, so every key comes from the cache.
 
 Rows that see no key (padding rows of a captured decode batch, context_len 0) write zeros.
+
+Decode has its own kernel, which reads a prefix that neighbouring rows share once for all of
+them. The decode rows are cut into aligned tiles of `BLOCK_M // GROUP` rows (4 for 32 query heads
+over 8 KV heads). When a tile's leading rows point at the same cache blocks (the n samples of
+one prompt through the prefix cache, or the rows of one sequence's drafts), the tile's first
+program attends all of them: it streams the shared keys once with every row's queries in the
+tile, then each row's own keys after them, and the tile's other programs have nothing to do.
+Otherwise each program attends its own row, as plain decode. The shared length is rounded down
+to a multiple of BLOCK_N, so every row sees its keys in the same chunks, in the same order, as
+it would alone: the result is the same to the bit. The tiles are found on the device from the
+block tables, so a captured graph needs no new inputs.
 """
 
 from __future__ import annotations
@@ -25,30 +37,120 @@ import triton.language as tl
 _DECODE_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 _PREFILL_BLOCK_M = 64
 _BLOCK_N = 64
+_TABLE_CHUNK = 128  # block-table entries compared at a time when finding a shared prefix
 
 
 @triton.jit
-def _paged_attention_kernel(
+def _shared_tokens(block_tables, context_lens, first, other, num_rows, stride_bt,
+                   KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_CHUNK: tl.constexpr):
+    """Tokens rows `first` and `other` read from the same cache blocks, rounded down to a multiple
+    of BLOCK_N; 0 when `other` is past the batch. Only blocks below both rows' lengths are compared
+    (entries past a row's length are padding, stale in a graph's buffer)."""
+    ok = other < num_rows
+    ctx_a = tl.load(context_lens + first)
+    ctx_b = tl.load(context_lens + other, mask=ok, other=0)
+    limit = tl.minimum(ctx_a, ctx_b)
+    num_blocks = (limit + KV_BLOCK - 1) // KV_BLOCK
+    first_diff = num_blocks
+    for start in range(0, num_blocks, TABLE_CHUNK):
+        k = start + tl.arange(0, TABLE_CHUNK)
+        k_ok = k < num_blocks
+        a = tl.load(block_tables + first.to(tl.int64) * stride_bt + k, mask=k_ok, other=0)
+        b = tl.load(block_tables + other.to(tl.int64) * stride_bt + k, mask=k_ok, other=0)
+        first_diff = tl.minimum(first_diff, tl.min(tl.where(k_ok & (a != b), k, num_blocks)))
+    same = tl.minimum(first_diff * KV_BLOCK, limit)
+    return tl.where(ok, (same // BLOCK_N) * BLOCK_N, 0)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, K, V, Out,  # Q/Out [D, H, Dh], one query per row; K/V [num_slots, KVH, D] (flat slot view)
+    block_tables, context_lens, num_rows,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+    scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, TABLE_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The run of leading rows of this program's tile that share a prefix with the tile's first row.
+    tile0 = (pid // TILE) * TILE
+    run = tl.full([], 1, tl.int32)
+    in_run = tl.full([], 1, tl.int32)
+    shared = tl.load(context_lens + tile0)
+    for j in tl.static_range(1, TILE):
+        same = _shared_tokens(block_tables, context_lens, tile0, tile0 + j, num_rows, stride_bt,
+                              KV_BLOCK, BLOCK_N, TABLE_CHUNK)
+        in_run = in_run * (same > 0).to(tl.int32)
+        run += in_run
+        shared = tl.where(in_run > 0, tl.minimum(shared, same), shared)
+    # This program attends rows seq0 .. seq0 + num_seqs - 1: the whole run (its first program),
+    # nothing (the run's other programs), or its own row (no run, or a row after the run).
+    together = (run > 1) & (pid < tile0 + run)
+    seq0 = tl.where(together, tile0, pid)
+    num_seqs = tl.where(together, tl.where(pid == tile0, run, 0), 1)
+    shared = tl.where(together & (pid == tile0), shared, 0)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_seq = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = row_seq < num_seqs
+    seq_of_row = (seq0 + row_seq).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + seq_of_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Row j's keys: the shared ones through seq0's table, then its own from `shared` on. A chunk a
+    # row does not take part in gives it -inf scores, which leave its running max, sum and
+    # values unchanged.
+    for j in range(-1, num_seqs):
+        seq = tl.where(j < 0, seq0, seq0 + j).to(tl.int64)
+        lo = tl.where(j < 0, 0, shared)
+        hi = tl.where(j < 0, shared, tl.load(context_lens + seq))
+        takes_part = tl.where(j < 0, row_ok, row_seq == j)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            block = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0)
+            slot = block.to(tl.int64) * KV_BLOCK + n % KV_BLOCK
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(takes_part[:, None] & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp() gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_shift[:, None])
+            alpha = tl.exp(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = Out + seq_of_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_prefill_kernel(
     Q, K, V, Out,  # Q/Out [T, H, D]; K/V [num_slots, KVH, D] (the cache's flat slot view)
     block_tables, q_starts, q_lens, context_lens, tile_seqs, tile_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
     scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_DECODE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if IS_DECODE:
-        # Sequence i is flat token i and its only query; no tile table needed (graph-capturable).
-        seq = pid
-        q_start = pid
-        q_len = 1
-        row0 = 0
-    else:
-        seq = tl.load(tile_seqs + pid)
-        row0 = tl.load(tile_rows + pid)
-        q_start = tl.load(q_starts + seq)
-        q_len = tl.load(q_lens + seq)
+    seq = tl.load(tile_seqs + pid)
+    row0 = tl.load(tile_rows + pid)
+    q_start = tl.load(q_starts + seq)
+    q_len = tl.load(q_lens + seq)
     ctx = tl.load(context_lens + seq)
 
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -125,46 +227,15 @@ class PrefillTiles:
         return cls(tables_d.view(num, width), per_seq_d[0], per_seq_d[1], per_seq_d[2], tiles_d[0], tiles_d[1])
 
 
-def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    block_tables: torch.Tensor,
-    q_starts: torch.Tensor | None,
-    q_lens: torch.Tensor | None,
-    context_lens: torch.Tensor,
-    tile_seqs: torch.Tensor | None,
-    tile_rows: torch.Tensor | None,
-    num_programs: int,
-    scale: float,
-    is_decode: bool,
-) -> None:
-    _, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    group = num_heads // num_kv_heads
-    block_m = _DECODE_BLOCK_M if is_decode else _PREFILL_BLOCK_M
-    if is_decode and group > block_m:
-        raise ValueError(f"decode kernel handles at most {block_m} query heads per KV head, got {group}")
-    # Unused pointer arguments of the decode variant: any int tensor will do.
-    q_starts = context_lens if q_starts is None else q_starts
-    q_lens = context_lens if q_lens is None else q_lens
-    tile_seqs = context_lens if tile_seqs is None else tile_seqs
-    tile_rows = context_lens if tile_rows is None else tile_rows
-    _paged_attention_kernel[(num_programs, num_kv_heads)](
-        q, k, v, out,
-        block_tables, q_starts, q_lens, context_lens, tile_seqs, tile_rows,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_tables.stride(0),
-        scale,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(max(head_dim, 16)), GROUP=group, KV_BLOCK=block_size,
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, IS_DECODE=is_decode,
-        # float32 runs are the exact path: no tf32 rounding in the dots.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
+def _kv_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches [blocks, block_size, KVH, Dh] as flat slots [blocks * block_size, KVH, Dh]."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (k_cache.view(num_blocks * block_size, num_kv_heads, head_dim),
+            v_cache.view(num_blocks * block_size, num_kv_heads, head_dim))
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # float32 runs are the exact path: no tf32
 
 
 def paged_decode_attention(
@@ -177,7 +248,21 @@ def paged_decode_attention(
     out: torch.Tensor,  # [D, H, Dh], written in place
 ) -> None:
     """Decode attention; no host sync and fixed launch shape, so it can be captured in a CUDA graph."""
-    _launch(q, k_cache, v_cache, out, block_tables, None, None, context_lens, None, None, q.shape[0], scale, True)
+    num_rows, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if group > _DECODE_BLOCK_M:
+        raise ValueError(f"decode kernel handles at most {_DECODE_BLOCK_M} query heads per KV head, got {group}")
+    k, v = _kv_views(k_cache, v_cache)
+    _paged_decode_kernel[(num_rows, num_kv_heads)](
+        q, k, v, out, block_tables, context_lens, num_rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_tables.stride(0),
+        scale,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(max(head_dim, 16)), GROUP=group, KV_BLOCK=block_size,
+        BLOCK_M=_DECODE_BLOCK_M, BLOCK_N=_BLOCK_N, TILE=_DECODE_BLOCK_M // group, TABLE_CHUNK=_TABLE_CHUNK,
+        PRECISION=_precision(q), num_warps=4, num_stages=2,
+    )  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -189,5 +274,16 @@ def paged_prefill_attention(
     out: torch.Tensor,  # [T, H, Dh]: the chunks' rows are written in place
 ) -> None:
     """Causal attention of prefill chunks over their cached prefix plus themselves (varlen)."""
-    _launch(q, k_cache, v_cache, out, tiles.block_tables, tiles.q_starts, tiles.q_lens, tiles.context_lens,
-            tiles.tile_seqs, tiles.tile_rows, tiles.tile_seqs.numel(), scale, False)
+    _, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k, v = _kv_views(k_cache, v_cache)
+    _paged_prefill_kernel[(tiles.tile_seqs.numel(), num_kv_heads)](
+        q, k, v, out,
+        tiles.block_tables, tiles.q_starts, tiles.q_lens, tiles.context_lens, tiles.tile_seqs, tiles.tile_rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        tiles.block_tables.stride(0),
+        scale,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
+        KV_BLOCK=block_size, BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, PRECISION=_precision(q),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
