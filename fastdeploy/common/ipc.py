@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import TypeVar
 
 import psutil
@@ -45,13 +46,31 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+class PeerWatch:
+    """`process_alive(pid)` for a loop that asks every iteration, read from /proc at most once
+    per `interval_s`: the engine's loop asks once a step, and the read was about a tenth of
+    the engine's busy time under load (py-spy, CPU server, 128 running sequences)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self._alive = True
+        self._checked = float("-inf")
+
+    def alive(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked >= self.interval_s:
+            self._alive = process_alive(self.pid)
+            self._checked = now
+        return self._alive
+
+
 class PeerDiedError(RuntimeError):
     pass
 
 
 def recv_with_liveness(sock: zmq.Socket, peer_pid: int, timeout_s: float | None, poll_ms: int = 100) -> list[bytes]:
     """Receive one multipart message, raising PeerDiedError if the peer exits and TimeoutError past `timeout_s`."""
-    import time
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:

@@ -11,7 +11,7 @@ import msgspec
 import zmq
 
 from fastdeploy.common.config import EngineConfig
-from fastdeploy.common.ipc import endpoint, process_alive, socket
+from fastdeploy.common.ipc import PeerWatch, endpoint, socket
 from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.request import (
     AbortRequests,
@@ -82,6 +82,7 @@ def run_engine(config: EngineConfig, ipc_dir: str, client_pid: int, in_address: 
 def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder: msgspec.msgpack.Encoder,
            client_pid: int, stopping) -> None:
     decoder = msgspec.msgpack.Decoder(EngineInput)
+    client = PeerWatch(client_pid)
     last_sent = 0.0
     last_logged = time.monotonic()
 
@@ -110,7 +111,7 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out_sock: zmq.Socket, encoder:
                                                error_status=400))
             elif isinstance(message, AbortRequests):
                 deltas.extend(core.abort(message.request_ids))
-        if not process_alive(client_pid):
+        if not client.alive():
             logger.warning("API server %d is gone; engine exits", client_pid)
             return
         dead_message = None
