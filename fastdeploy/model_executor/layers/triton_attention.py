@@ -22,8 +22,9 @@ program attends all of them: it streams the shared keys once with every row's qu
 tile, then each row's own keys after them, and the tile's other programs have nothing to do.
 Otherwise each program attends its own row, as plain decode. The shared length is rounded down
 to a multiple of BLOCK_N, so every row sees its keys in the same chunks, in the same order, as
-it would alone: the result is the same to the bit. The tiles are found on the device from the
-block tables, so a captured graph needs no new inputs.
+it would alone, and each row's scores come from its own query only: the result is meant to be
+the same to the bit (tests/gpu/test_triton_attention.py asserts it). The tiles are found on the
+device from the block tables, so a captured graph needs no new inputs.
 """
 
 from __future__ import annotations
