@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from fastdeploy.common.request import EngineRequest
 from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.text_encoding import encode_ids
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor
@@ -80,7 +81,7 @@ class LLM:
                 raise TypeError(f"prompt {index}: a dict prompt has exactly one key, 'prompt' (a string) or "
                                 f"'prompt_token_ids' (a list of ints); got keys {sorted(prompt)}")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, encode_ids(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise TypeError(f"prompt {index}: expected a string, a list of token ids or a dict with 'prompt' or "
@@ -95,7 +96,7 @@ class LLM:
         conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
         texts = [cast(str, self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True))
                  for c in conversations]
-        token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        token_lists = [encode_ids(self.tokenizer, t) for t in texts]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
     def _run(self, texts: Sequence[str | None], token_lists: list[list[int]],

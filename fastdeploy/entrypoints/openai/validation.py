@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from fastdeploy.common.limits import EngineLimits
+from fastdeploy.common.text_encoding import encode_ids
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request
 from fastdeploy.entrypoints.openai.protocol import (
     GUIDED_FIELDS,
@@ -35,7 +36,7 @@ def _json_text(value: str) -> Any:
 def encode_text(tokenizer, text: str, param: str) -> list[int]:
     """Token ids of user text; text the tokenizer cannot take is the caller's fault, not ours."""
     try:
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode_ids(tokenizer, text)
     except Exception as exc:  # tokenizers raise TypeError, ValueError, Rust panics as exceptions
         raise bad_request(f"`{param}` cannot be tokenized: {exc}", param) from None
 
