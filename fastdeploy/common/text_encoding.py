@@ -10,19 +10,27 @@ before the request reaches the engine.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# The methods between `encode` and the Rust tokenizer (their names differ across transformers
+# releases); a tokenizer class that overrides any of them has encoding steps of its own.
+_ENCODE_PATH = ("encode", "_encode_plus", "_batch_encode_plus")
+
+
+def _plain_fast(tokenizer: PreTrainedTokenizerBase) -> bool:
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, PreTrainedTokenizerFast)
+            and all(getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name, None) for name in _ENCODE_PATH)
+            and hasattr(getattr(tokenizer, "_tokenizer", None), "encode_batch_fast"))
 
 
 def encode_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """`tokenizer.encode(text, add_special_tokens=False)`, faster for Rust-backed tokenizers."""
-    cls = type(tokenizer)
-    if cls.encode is PreTrainedTokenizerBase.encode and cls._encode_plus is TokenizersBackend._encode_plus:
-        # transformers' own path for these classes: set the special-token splitting, then the
-        # backend's encode; a class with encoding steps of its own keeps its `encode`.
-        backend = tokenizer._tokenizer
-        split = bool(tokenizer.split_special_tokens)
-        if backend.encode_special_tokens != split:
-            backend.encode_special_tokens = split
-        return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-    return tokenizer.encode(text, add_special_tokens=False)
+    """`tokenizer.encode(text, add_special_tokens=False)`, faster for plain Rust-backed tokenizers."""
+    if not _plain_fast(tokenizer):
+        return tokenizer.encode(text, add_special_tokens=False)
+    backend = tokenizer._tokenizer
+    # transformers sets the special-token splitting on the backend before each encode.
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
+    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
