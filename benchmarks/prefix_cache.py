@@ -71,7 +71,8 @@ async def first_token_s(client: httpx.AsyncClient, server: Server, prompt: str,
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "return_token_ids": True}
     start = time.perf_counter()
-    first = first_text = float("nan")
+    first: float | None = None
+    first_text: float | None = None
     async with client.stream("POST", server.base + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -79,11 +80,11 @@ async def first_token_s(client: httpx.AsyncClient, server: Server, prompt: str,
                 continue
             choice = json.loads(line[6:])["choices"][0]
             now = time.perf_counter() - start
-            if first != first and choice.get("token_ids"):
+            if first is None and choice.get("token_ids"):
                 first = now
-            if first_text != first_text and choice.get("text"):
+            if first_text is None and choice.get("text"):
                 first_text = now
-    return first, first_text
+    return (float("nan") if first is None else first), (float("nan") if first_text is None else first_text)
 
 
 async def ttft_load(server: Server, trials: int, prefix_tokens: int, seed0: int) -> dict:

@@ -71,7 +71,6 @@ class PeerDiedError(RuntimeError):
 
 def recv_with_liveness(sock: zmq.Socket, peer_pid: int, timeout_s: float | None, poll_ms: int = 100) -> list[bytes]:
     """Receive one multipart message, raising PeerDiedError if the peer exits and TimeoutError past `timeout_s`."""
-
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         if sock.poll(poll_ms):
