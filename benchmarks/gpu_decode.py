@@ -102,19 +102,38 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
     message = iter(range(1, 1 << 30))
     seq_counter = iter(range(1 << 30))
 
-    def table(slot: int) -> list[int]:
-        return list(range(slot * blocks_per_seq, (slot + 1) * blocks_per_seq))
+    # Block tables by row; rows of a shared-prefix group point at their first row's prompt blocks.
+    tables: dict[int, list[int]] = {}
 
-    def prefill(batch: int, prompt_len: int) -> tuple[list[int], float]:
-        """New sequences in slots 0..batch-1, prefilled in steps of at most prefill_tokens."""
+    def table(slot: int) -> list[int]:
+        return tables.get(slot) or list(range(slot * blocks_per_seq, (slot + 1) * blocks_per_seq))
+
+    def prefill(batch: int, prompt_len: int, share: int = 1) -> tuple[list[int], float]:
+        """New sequences in slots 0..batch-1, prefilled in steps of at most prefill_tokens. With
+        `share` > 1 rows come in groups of `share` with one prompt, as the engine's prefix cache
+        admits a prompt's n samples: the first row computes it, the others point at its full
+        blocks (all but the last, which each row computes itself) and start after them."""
         ids = [next(seq_counter) for _ in range(batch)]
         prompts = torch.randint(vocab, (batch, prompt_len), generator=gen).tolist()
+        tables.clear()
+        shared = (prompt_len - 1) // bs if share > 1 else 0
+        starts = [0] * batch
+        for i in range(batch):
+            lead = i - i % share
+            prompts[i] = prompts[lead]
+            if i != lead:
+                own = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+                tables[i] = table(lead)[:shared] + own[shared:]
+                starts[i] = shared * bs
         per_step = max(1, args.prefill_tokens // prompt_len)
         seconds = 0.0
+        # Group leaders first: the other rows read their KV.
+        order = [i for i in range(batch) if starts[i] == 0] + [i for i in range(batch) if starts[i] > 0]
         for lo in range(0, batch, per_step):
-            hi = min(batch, lo + per_step)
-            step = StepInput(next(message), [NewSequence(ids[i], prompts[i], params, False) for i in range(lo, hi)],
-                             [ChunkInput(ids[i], prompts[i], 0, table(i), True) for i in range(lo, hi)], [])
+            rows_now = order[lo:lo + per_step]
+            step = StepInput(next(message), [NewSequence(ids[i], prompts[i], params, False) for i in rows_now],
+                             [ChunkInput(ids[i], prompts[i][starts[i]:], starts[i], table(i), True)
+                              for i in rows_now], [])
             t = time.perf_counter()
             runner.execute(step)
             seconds += time.perf_counter() - t
@@ -175,11 +194,14 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
     rows = []
     graphs = runner.cuda_graphs
     profile_steps = getattr(args, "profile_steps", 0) if args.device.startswith("cuda") else 0
-    for batch in args.batches:
+    for batch, share in [(b, s) for b in args.batches for s in args.share_prefix]:
         row = {"batch": batch, "context_len": args.prompt_len + args.warmup + 2 * args.steps + 1}
-        for mode in ("graph", "eager") if graphs is not None else ("eager",):
+        if share > 1:
+            row["share_prefix"] = share
+        for mode in ("graph",) if graphs is not None and args.skip_eager else ("graph", "eager") if graphs is not None \
+                else ("eager",):
             runner.cuda_graphs = graphs if mode == "graph" else None
-            ids, _ = prefill(batch, args.prompt_len)
+            ids, _ = prefill(batch, args.prompt_len, share)
             decode_times(ids, args.prompt_len, args.warmup)
             times = decode_times(ids, args.prompt_len + args.warmup, args.steps)
             pipelined = pipelined_decode_times(ids, args.prompt_len + args.warmup + args.steps, args.steps)
@@ -245,7 +267,7 @@ def bench_transformers(args: argparse.Namespace, batches: list[int]) -> tuple[di
 def step_ms(row: dict) -> float:
     """The decode step as the engine runs it: steps overlapped (asynchronous scheduling), CUDA
     graphs where they were captured."""
-    return row.get("graph_pipelined_step_ms", row["eager_pipelined_step_ms"])
+    return row.get("graph_pipelined_step_ms") or row["eager_pipelined_step_ms"]
 
 
 def print_profiles(rows: list[dict]) -> None:
@@ -255,7 +277,8 @@ def print_profiles(rows: list[dict]) -> None:
             profile = row.get(f"{mode}_profile")
             if profile is None:
                 continue
-            print(f"\n# batch {row['batch']}, {mode}: step {profile['step_ms_under_profiler']:.2f} ms under the "
+            print(f"\n# batch {row['batch']}, prefix shared by {row.get('share_prefix', 1)}, {mode}: "
+                  f"step {profile['step_ms_under_profiler']:.2f} ms under the "
                   f"profiler, device busy {profile['busy_ms']:.2f} ms, idle {profile['idle_ms']:.2f} ms")
             for family, ms in profile["families_ms"].items():
                 print(f"  {ms:8.3f} ms  {family}")
@@ -265,7 +288,7 @@ def print_profiles(rows: list[dict]) -> None:
 
 def plot(payload: dict) -> str:
     plt = pyplot()
-    rows = payload["decode"]
+    rows = [r for r in payload["decode"] if "share_prefix" not in r]  # the shared-prefix rows are in the table
     batches = [r["batch"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if rows[0].get("graph_step_ms") is not None:
@@ -273,7 +296,8 @@ def plot(payload: dict) -> str:
         ax1.plot(batches, [r["graph_forward_ms"] for r in rows], "o:", label="fastdeploy forward (graph replay)")
         ax1.plot(batches, [r["graph_pipelined_step_ms"] for r in rows], "d-",
                  label="fastdeploy step, graphs, steps overlapped")
-    ax1.plot(batches, [r["eager_step_ms"] for r in rows], "s--", label="fastdeploy step, eager")
+    if rows[0].get("eager_step_ms") is not None:
+        ax1.plot(batches, [r["eager_step_ms"] for r in rows], "s--", label="fastdeploy step, eager")
     if rows[0].get("hf_ms_per_token") is not None:
         ax1.plot(batches, [r["hf_ms_per_token"] for r in rows], "^-", label="transformers.generate")
     ax1.axhline(payload["floor_ms"], color="gray", ls=":", label="weight-streaming floor")
@@ -308,6 +332,10 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="CUDA: profile this many more decode steps per batch and mode (torch.profiler) and "
                              "print where the device's time goes")
+    parser.add_argument("--share-prefix", type=int, nargs="+", default=[1],
+                        help="also run each batch with rows in groups of N sharing one prompt's KV blocks "
+                             "(a prompt's n samples under prefix caching); 1 = no sharing")
+    parser.add_argument("--skip-eager", action="store_true", help="CUDA graphs only")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
     if args.plot_only:
@@ -320,7 +348,7 @@ def main() -> None:
     hf, hf_version = ({}, None) if args.skip_hf else bench_transformers(args, args.batches)
     floor_ms = 1e3 * info["weight_bytes_streamed"] / bandwidth
     for row in rows:
-        best = row.get("graph_step_ms", row["eager_step_ms"])
+        best = row.get("graph_step_ms") or row["eager_step_ms"]
         row["floor_ms"] = floor_ms
         row["vs_floor"] = best / floor_ms
         row["pipelined_vs_floor"] = step_ms(row) / floor_ms
@@ -345,9 +373,9 @@ def main() -> None:
     print(f"# {payload['device']}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
           f"weights streamed {info['weight_bytes_streamed'] / 1e9:.2f} GB  floor {floor_ms:.2f} ms  "
           f"KV pool {info['num_kv_blocks']} blocks ({info['kv_cache_gib']:.1f} GiB)")
-    print_table(rows, ["batch", "context_len", "floor_ms", "graph_forward_ms", "graph_step_ms", "vs_floor",
-                       "graph_pipelined_step_ms", "pipelined_vs_floor", "eager_step_ms", "eager_pipelined_step_ms",
-                       "hf_ms_per_token", "speedup_vs_hf", "tokens_per_s"])
+    print_table(rows, ["batch", "share_prefix", "context_len", "floor_ms", "graph_forward_ms", "graph_step_ms",
+                       "vs_floor", "graph_pipelined_step_ms", "pipelined_vs_floor", "eager_step_ms",
+                       "eager_pipelined_step_ms", "hf_ms_per_token", "speedup_vs_hf", "tokens_per_s"])
     print_table(prefill_rows, ["prompt_len", "batch", "tokens", "seconds", "tokens_per_s"])
     print_profiles(rows)
     print(write_json(NAME, payload))

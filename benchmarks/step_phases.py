@@ -112,6 +112,7 @@ COLLECTOR = CollectorWatch()
 
 
 MASK_FORMAT = "ids"  # the masked runs' sampling_mask_format (--mask-format)
+TEMPERATURE = 1.0  # the runs' sampling temperature (--temperature)
 
 
 def add_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: int) -> None:
@@ -119,7 +120,7 @@ def add_batch(engine, batch: int, mask: bool, steps: int, top_p: float, seed: in
     from fastdeploy.common.request import EngineRequest
     from fastdeploy.common.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=1.0, top_p=top_p,
+    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + TAIL_STEPS, temperature=TEMPERATURE, top_p=top_p,
                             ignore_eos=True, return_sampling_mask=mask, sampling_mask_format=MASK_FORMAT)
     g = torch.Generator().manual_seed(seed)
     for i in range(batch):
@@ -218,6 +219,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steady decode steps per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device-timeline", action="store_true",
                     help="CUDA: also profile one run per side and batch on the device's timeline")
@@ -231,8 +233,9 @@ def main() -> None:
     from fastdeploy.engine.engine_core import EngineCore
     from fastdeploy.engine.executor import InProcessExecutor
 
-    global MASK_FORMAT
+    global MASK_FORMAT, TEMPERATURE
     MASK_FORMAT = args.mask_format
+    TEMPERATURE = args.temperature
     device = torch.device(args.device)
     info, _ = machine_with_device(device, args.threads)
     max_b = max(args.batches)

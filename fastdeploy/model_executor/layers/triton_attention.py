@@ -40,6 +40,18 @@ _PREFILL_BLOCK_M = 64
 _BLOCK_N = 64
 _TABLE_CHUNK = 128  # block-table entries compared at a time when finding a shared prefix
 
+# Triton compiles a kernel again for each new combination of its integer arguments' divisibility
+# by 16 (and equality to 1) and of its pointers' 16-byte alignment. A step's row count and
+# block-table width, and the offsets of its metadata in the one buffer that carries them to the
+# device, change from step to step: specialised on, they cost a compile (hundreds of ms) in the
+# middle of serving whenever a new combination turns up. The metadata is read once per program,
+# so the hints are worth nothing there; the K/V and query pointers keep theirs.
+_DECODE_VARYING = {"do_not_specialize": ["num_rows", "stride_bt"],
+                   "do_not_specialize_on_alignment": ["block_tables", "context_lens"]}
+_PREFILL_VARYING = {"do_not_specialize": ["stride_bt"],
+                    "do_not_specialize_on_alignment": ["block_tables", "q_starts", "q_lens", "context_lens",
+                                                       "tile_seqs", "tile_rows"]}
+
 
 @triton.jit
 def _shared_tokens(block_tables, context_lens, first, other, num_rows, stride_bt,
@@ -63,7 +75,7 @@ def _shared_tokens(block_tables, context_lens, first, other, num_rows, stride_bt
     return tl.where(ok, (same // BLOCK_N) * BLOCK_N, 0)
 
 
-@triton.jit
+@triton.jit(**_DECODE_VARYING)
 def _paged_decode_kernel(
     Q, K, V, Out,  # Q/Out [D, H, Dh], one query per row; K/V [num_slots, KVH, D] (flat slot view)
     block_tables, context_lens, num_rows,
@@ -137,7 +149,7 @@ def _paged_decode_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(**_PREFILL_VARYING)
 def _paged_prefill_kernel(
     Q, K, V, Out,  # Q/Out [T, H, D]; K/V [num_slots, KVH, D] (the cache's flat slot view)
     block_tables, q_starts, q_lens, context_lens, tile_seqs, tile_rows,
