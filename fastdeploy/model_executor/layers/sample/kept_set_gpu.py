@@ -86,6 +86,7 @@ BLOCK = 512  # logits per loop step of the row kernel
 NUM_WARPS = 8
 NUM_STAGES = 3  # software pipelining depth of the row loops (Triton's CUDA default)
 MASK_BLOCK = 2048  # logits per program of the dense-mask kernel
+BITS_BYTES = 256  # bitmap bytes (8 logits each) per program of the bitmap kernel
 # Launch shape of the row kernel over a prefilter's candidates (rows of at most its CAP).
 COMPACT_BLOCK = 256
 COMPACT_WARPS = 4
@@ -295,19 +296,21 @@ def fill_sampling_mask_dense(
     slots: torch.Tensor,
     capacity: int,
     kept: GpuKeptSet | None,
-    skip_rows: torch.Tensor | None = None,
+    bitmap_rows: torch.Tensor | None = None,
 ) -> None:
     """`kept_set_torch.fill_sampling_mask` on CUDA: the CSR compacted from the kept bounds.
 
-    skip_rows bool [B]: rows that keep their logz but get an empty CSR row (the caller
-    writes their kept sets as bitmaps).
+    bitmap_rows bool [B]: rows whose kept sets go out as bitmaps (``out.mask_bits``, uint8
+    [B, ceil(V/8)], all zero for the other rows), written from the same bounds in one launch;
+    they keep their logz and get an empty CSR row.
 
     slots int32 [B]: a truncating row's index in ``kept`` (>= 0), `GREEDY_SLOT` for a greedy
     row, -1 for a plain one. Truncating rows take their kept set; greedy rows their sampled
     argmax, with logz its mass under the temperature-1 softmax; other rows are empty with logz 0.
     capacity: an upper bound on the ids of all rows (the caller's, from the shapes and top_k).
 
-    Three launches (the rows' bounds, their cumsum, the compaction) and no host read: the ids
+    Three launches (the rows' bounds, their cumsum, the compaction; a fourth for bitmaps) and no
+    host read: the ids
     go into a buffer of ``capacity`` ids (``out.mask_ids``; entries past ``mask_offsets[-1]``
     are unspecified), so the host keeps queueing work while the device computes the kept sets.
     A row the kernel could not settle (``kept.bounds.failed``) gets an empty row here: its
@@ -331,8 +334,13 @@ def fill_sampling_mask_dense(
     mask_kernels._mask_rows_kernel[(b,)](x, x.stride(0), v, slots, requested, out.sampled_token_ids, *trunc, full_row,
                             value, last, counts, logz, src, offsets, GREEDY=GREEDY_SLOT,
                             TRUNCATED=kb is not None, CANDIDATE_ROWS=pf is not None, BLOCK=2 * BLOCK, num_warps=4)
-    if skip_rows is not None:
-        counts.masked_fill_(skip_rows, 0)  # an empty CSR row: the compaction does not read it
+    if bitmap_rows is not None:
+        width = -(-v // 8)
+        out.mask_bits = torch.empty(b, width, dtype=torch.uint8, device=dev)
+        mask_kernels._bits_kernel[(b, triton.cdiv(width, BITS_BYTES))](x, x.stride(0), v, value, last, bitmap_rows,
+                                                                       out.mask_bits, width, BYTES=BITS_BYTES,
+                                                                       num_warps=4)
+        counts.masked_fill_(bitmap_rows, 0)  # an empty CSR row: the compaction does not read it
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
     out.mask_offsets = offsets
     out.mask_ids = compact(x, KeptBounds(value, last, counts, logz), offsets, capacity,

@@ -1,6 +1,6 @@
 """Triton kernels that turn kept bounds into kept sets: the sampler's dense mask
-(`_mask_kernel`), the CSR ids (`_compact_kernel`) and the sampling mask's per-row bounds
-(`_mask_rows_kernel`). `kept_set_gpu` launches them.
+(`_mask_kernel`), the CSR ids (`_compact_kernel`), the sampling mask's per-row bounds
+(`_mask_rows_kernel`) and its bitmaps (`_bits_kernel`). `kept_set_gpu` launches them.
 """
 
 from __future__ import annotations
@@ -73,6 +73,22 @@ if triton is not None:
         ki = keep.to(tl.int32)
         tl.store(ids_ptr + base + tl.cumsum(ki, axis=0) - 1, o, mask=keep)
         return base + tl.sum(ki, axis=0)
+
+    @triton.jit
+    def _bits_kernel(x_ptr, stride, V, bv_ptr, bid_ptr, want_ptr, bits_ptr, W, BYTES: tl.constexpr):
+        """Program (row, part) writes bytes [part * BYTES, (part + 1) * BYTES) of the row's bitmap
+        (W = ceil(V / 8) bytes a row): bit i % 8 of byte i // 8 is set iff id i is in the row's kept
+        prefix (bv, bid), least significant bit first. A row with want[row] == 0 gets zeros and
+        reads no logits."""
+        row = tl.program_id(0).to(tl.int64)
+        byte = tl.program_id(1) * BYTES + tl.arange(0, BYTES)
+        bit = tl.arange(0, 8)
+        o = byte[:, None] * 8 + bit[None, :]
+        ok = o < tl.where(tl.load(want_ptr + row) != 0, V, 0)
+        x = tl.load(x_ptr + row * stride + o, mask=ok, other=float("-inf"))
+        keep = _keep(x, o, tl.load(bv_ptr + row), tl.load(bid_ptr + row)) & ok
+        packed = tl.sum(keep.to(tl.int32) << bit[None, :], axis=1)
+        tl.store(bits_ptr + row * W + byte, packed.to(tl.uint8), mask=byte < W)
 
     @triton.jit
     def _mask_rows_kernel(x_ptr, stride, V, slot_ptr, req_ptr, tok_ptr,

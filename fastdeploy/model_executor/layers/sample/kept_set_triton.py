@@ -16,7 +16,7 @@ import torch
 from fastdeploy.model_executor.layers.sample import kept_set_gpu
 from fastdeploy.model_executor.layers.sample.kept_set import GREEDY_SLOT, PLAIN_SLOT, KeptSets, NoiseFn
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput, SamplingMetadata
-from fastdeploy.model_executor.layers.sample.ops import apply_temperature, pack_bits
+from fastdeploy.model_executor.layers.sample.ops import apply_temperature
 
 NEG_INF = float("-inf")
 
@@ -80,14 +80,7 @@ class TritonKeptSetBackend:
         slots = _mask_slots(meta, b, g_rows, t_rows)
         capacity = _mask_capacity(meta, v, t_rows.numel()) + g_rows.numel()
         dense = kept.kept if kept is not None else None
-        kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, capacity, dense, skip_rows=as_bits)
-        if as_bits is not None:
-            flags = torch.zeros(b, v, dtype=torch.bool, device=proc.device)
-            if dense is not None:
-                flags[t_rows] = dense.mask
-            if g_rows.numel():
-                flags[g_rows, out.sampled_token_ids[g_rows]] = True
-            out.mask_bits = pack_bits(flags & as_bits.unsqueeze(1))
+        kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, capacity, dense, bitmap_rows=as_bits)
 
 
 def _mask_slots(meta: SamplingMetadata, b: int, g_rows: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:
