@@ -331,7 +331,9 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
     (truncating, greedy, greedy with -inf logits, plain, opting out, unsettled), with the
     host's mask slots and with slots derived on the device, gives the CPU path's tokens, CSR
     rows and logZ. Unsettled rows get UNSETTLED_TOKEN and an empty row. The ids' buffer holds
-    top_k ids for a row with top_k given on the host, else the vocabulary; one per greedy row."""
+    top_k ids for a row with top_k given on the host, else the vocabulary; one per greedy row.
+    Rows asked for as bitmaps (`_bits_kernel`) hold the same sets, bit for bit, and an empty
+    CSR row; the other rows' bitmaps are zero, as are an unsettled row's."""
     from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
 
     ksg.CANDIDATES = 64  # the interpreter's sort of the default 2048 candidates takes minutes
@@ -348,13 +350,14 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
     asked = [True] * b
     asked[3] = asked[9] = False  # opt out: a truncating and a greedy row
 
-    def sample(fast: bool, host_slots: bool):
+    def sample(fast: bool, host_slots: bool, bitmap_rows: torch.Tensor | None = None):
         ksg.uses_fast_path = lambda device: fast
         gens = [torch.Generator().manual_seed(300 + r) for r in range(b)]
         meta = make_meta(b, temperature=t.tolist(), top_k=k.tolist(), top_p=p.tolist(), min_p=mp.tolist(),
                          generators=gens, return_sampling_mask=asked)
         if host_slots:
             meta.row_groups = _runner_row_groups(t, k, p, mp)
+        meta.mask_bitmap_rows = bitmap_rows
         return Sampler()(x.clone(), meta, settle_kept_sets=False)
 
     cpu = sample(False, False)
@@ -380,6 +383,19 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
         assert csr_row(fast, 4) == csr_row(fast, 3) == csr_row(fast, 9) == []
         assert float(fast.logz[4]) == float(fast.logz[9]) == 0.0
         assert len(csr_row(fast, 2)) == len(csr_row(fast, 5)) == 1
+        as_bits = torch.tensor([r % 3 != 1 for r in range(b)])  # every kind of row, both ways
+        bits = sample(True, host_slots, as_bits)
+        assert torch.equal(bits.sampled_token_ids, fast.sampled_token_ids)
+        assert bits.mask_bits is not None and tuple(bits.mask_bits.shape) == (b, -(-v // 8))
+        for r in range(b):
+            decoded = np.flatnonzero(np.unpackbits(bits.mask_bits[r].numpy(), bitorder="little")).tolist()
+            if as_bits[r] and asked[r]:
+                assert csr_row(bits, r) == [], f"row {r}: a bitmap row's CSR row is empty"
+                assert decoded == csr_row(fast, r), f"row {r}"
+            else:
+                assert decoded == [], f"row {r}"
+                assert csr_row(bits, r) == csr_row(fast, r), f"row {r}"
+            assert float(bits.logz[r]) == float(fast.logz[r]), f"row {r}"
 
 
 def interpreted_engine_redraws_unsettled_rows(model_dir: str) -> None:
