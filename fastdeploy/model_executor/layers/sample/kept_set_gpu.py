@@ -310,9 +310,9 @@ def fill_sampling_mask_dense(
     capacity: an upper bound on the ids of all rows (the caller's, from the shapes and top_k).
 
     Three launches (the rows' bounds, their cumsum, the compaction; a fourth for bitmaps) and no
-    host read: the ids
-    go into a buffer of ``capacity`` ids (``out.mask_ids``; entries past ``mask_offsets[-1]``
-    are unspecified), so the host keeps queueing work while the device computes the kept sets.
+    host read: the ids go into a buffer of ``capacity`` ids (``out.mask_ids``; entries past
+    ``mask_offsets[-1]`` are unspecified), so the host keeps queueing work while the device
+    computes the kept sets.
     A row the kernel could not settle (``kept.bounds.failed``) gets an empty row here: its
     token is ``UNSETTLED_TOKEN`` and the caller samples the step again with settled sets.
     """
