@@ -204,6 +204,14 @@ class ModelRunner:
         # Everything up to the pack is queued on the device without waiting for it: the host
         # builds the sampler's inputs and fills the grammar bitmask while the GPU runs the model.
         logits = self._logits(hidden, sample_rows)
+        states = [self.sequences[seq_id] for seq_id in seq_ids]
+        sampled_states = input_prep.slot_states(states, slot_drafts) if drafts else states
+        metadata = None
+        if not any(s.params.has_penalties for s in states):
+            # Built before the step ahead is finished below, while the device still runs it: only
+            # penalties read the tokens that step samples. (A grammar's bitmask, which reads
+            # them too, is filled after.)
+            metadata = input_prep.sampling_metadata(sampled_states, self.config.logprobs_mode, self.device)
         if ahead is not None and ahead.unfinished and self._reads_tokens_on_host(seq_ids):
             # A grammar to advance or a penalty history to extend: the step ahead is finished
             # now, while the device runs this step's forward pass, instead of after it.
@@ -219,9 +227,8 @@ class ModelRunner:
                 broadcast_from_first(input_ids)
                 hidden = self._forward(input_ids, positions, attn_metadata)
                 logits = self._logits(hidden, sample_rows)
-        states = [self.sequences[seq_id] for seq_id in seq_ids]
-        metadata = input_prep.sampling_metadata(input_prep.slot_states(states, slot_drafts) if drafts else states,
-                                                self.config.logprobs_mode, self.device)
+        if metadata is None:
+            metadata = input_prep.sampling_metadata(sampled_states, self.config.logprobs_mode, self.device)
         metadata.token_bitmask = self._bitmask(seq_ids, slot_drafts, bool(drafts))
         assert metadata.row_groups is not None  # sampling_metadata always splits the rows
         may_redraw = self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
