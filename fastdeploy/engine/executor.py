@@ -129,7 +129,8 @@ class WorkerProcessExecutor:
         kind, *payload = self._recv(self.step_timeout_s)
         if kind != FRAME:
             raise WorkerError(f"worker step failed:\n{payload[0].decode()}")
-        return StepOutput(payload[0], self._events_decoder.decode(payload[1]), mask_bits=decode_mask_bits(payload[2]))
+        return StepOutput(payload[0], self._events_decoder.decode(payload[1]),
+                          mask_bits=decode_mask_bits(payload[2], payload[3]))
 
     def shutdown(self) -> None:
         if self.process.is_alive():

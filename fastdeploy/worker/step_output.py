@@ -32,16 +32,18 @@ class StepOutput:
             self.mask_ids_pending = None
 
 
-def encode_mask_bits(bits: np.ndarray | None) -> bytes | memoryview:
-    """`StepOutput.mask_bits` as one message part: its shape (3 int64) then its bytes; b"" for None."""
+def encode_mask_bits(bits: np.ndarray | None) -> tuple[bytes, bytes | memoryview]:
+    """`StepOutput.mask_bits` as two message parts: its shape (3 int64) and its bytes, a view of
+    the array's own buffer (sent without a copy: a step's bitmaps are megabytes); (b"", b"") for None."""
     if bits is None:
-        return b""
-    return np.asarray(bits.shape, dtype="<i8").tobytes() + np.ascontiguousarray(bits, dtype=np.uint8).tobytes()
+        return b"", b""
+    flat = np.ascontiguousarray(bits, dtype=np.uint8)
+    return np.asarray(flat.shape, dtype="<i8").tobytes(), memoryview(flat.reshape(-1))
 
 
-def decode_mask_bits(part: bytes | memoryview) -> np.ndarray | None:
-    """The inverse of `encode_mask_bits` (a read-only view of the part)."""
-    if not len(part):
+def decode_mask_bits(shape_part: bytes | memoryview, bits_part: bytes | memoryview) -> np.ndarray | None:
+    """The inverse of `encode_mask_bits` (a read-only view of the bytes' part)."""
+    if not len(shape_part):
         return None
-    shape = np.frombuffer(part, dtype="<i8", count=3)
-    return np.frombuffer(part, dtype=np.uint8, offset=24).reshape(tuple(int(n) for n in shape))
+    shape = tuple(int(n) for n in np.frombuffer(shape_part, dtype="<i8", count=3))
+    return np.frombuffer(bits_part, dtype=np.uint8).reshape(shape)

@@ -80,7 +80,7 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
             sock.send_multipart([ERROR, traceback.format_exc().encode()])
             return
         sock.send_multipart([FRAME, output.frame, encoder.encode(output.events),
-                             encode_mask_bits(output.mask_bits)], copy=False)
+                             *encode_mask_bits(output.mask_bits)], copy=False)
         runner.after_frame()  # drafting for the next step, while the engine takes in this one
 
     # A step sent `followed`: its frame goes out once the next step is launched behind it.
