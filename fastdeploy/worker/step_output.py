@@ -38,7 +38,7 @@ def encode_mask_bits(bits: np.ndarray | None) -> tuple[bytes, bytes | memoryview
     if bits is None:
         return b"", b""
     flat = np.ascontiguousarray(bits, dtype=np.uint8)
-    return np.asarray(flat.shape, dtype="<i8").tobytes(), memoryview(flat.reshape(-1))
+    return np.asarray(flat.shape, dtype="<i8").tobytes(), flat.reshape(-1).data
 
 
 def decode_mask_bits(shape_part: bytes | memoryview, bits_part: bytes | memoryview) -> np.ndarray | None:
