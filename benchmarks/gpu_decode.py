@@ -194,12 +194,12 @@ def bench_fastdeploy(args: argparse.Namespace) -> tuple[dict, list[dict], list[d
     rows = []
     graphs = runner.cuda_graphs
     profile_steps = getattr(args, "profile_steps", 0) if args.device.startswith("cuda") else 0
+    modes = ("eager",) if graphs is None else ("graph",) if args.skip_eager else ("graph", "eager")
     for batch, share in [(b, s) for b in args.batches for s in args.share_prefix]:
         row = {"batch": batch, "context_len": args.prompt_len + args.warmup + 2 * args.steps + 1}
         if share > 1:
             row["share_prefix"] = share
-        for mode in ("graph",) if graphs is not None and args.skip_eager else ("graph", "eager") if graphs is not None \
-                else ("eager",):
+        for mode in modes:
             runner.cuda_graphs = graphs if mode == "graph" else None
             ids, _ = prefill(batch, args.prompt_len, share)
             decode_times(ids, args.prompt_len, args.warmup)

@@ -206,13 +206,13 @@ class ModelRunner:
         logits = self._logits(hidden, sample_rows)
         states = [self.sequences[seq_id] for seq_id in seq_ids]
         sampled_states = input_prep.slot_states(states, slot_drafts) if drafts else states
-        metadata = None
-        if not any(s.params.has_penalties for s in states):
-            # Built before the step ahead is finished below, while the device still runs it: only
-            # penalties read the tokens that step samples. (A grammar's bitmask, which reads
-            # them too, is filled after.)
-            metadata = input_prep.sampling_metadata(sampled_states, self.config.logprobs_mode, self.device)
-        if ahead is not None and ahead.unfinished and self._reads_tokens_on_host(seq_ids):
+        penalised = any(s.params.has_penalties for s in states)
+        # Without penalties the metadata reads none of the tokens the step ahead samples: it is
+        # built now, while the device still runs that step. (A grammar's bitmask, which reads
+        # them too, is filled after.)
+        metadata = None if penalised else input_prep.sampling_metadata(sampled_states, self.config.logprobs_mode,
+                                                                       self.device)
+        if ahead is not None and ahead.unfinished and (penalised or self._tracks_grammar(seq_ids)):
             # A grammar to advance or a penalty history to extend: the step ahead is finished
             # now, while the device runs this step's forward pass, instead of after it.
             ahead.finished = self.finish(ahead)
@@ -321,12 +321,9 @@ class ModelRunner:
         """float32 logits of the sampled rows."""
         return self.model.compute_logits(input_prep.sampled_rows(hidden, sample_rows, self.device)).float()
 
-    def _reads_tokens_on_host(self, seq_ids: list[int]) -> bool:
-        """Whether a sampled row needs the sequence's last token on the host first: its grammar
-        advances by it, or its penalties count it."""
-        if self.guided is not None and any(self.guided.tracks(seq_id) for seq_id in seq_ids):
-            return True
-        return any(self.sequences[seq_id].params.has_penalties for seq_id in seq_ids)
+    def _tracks_grammar(self, seq_ids: list[int]) -> bool:
+        """Whether a sampled row's grammar advances by the sequence's last token (on the host)."""
+        return self.guided is not None and any(self.guided.tracks(seq_id) for seq_id in seq_ids)
 
     def _frame_stream(self, after: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
         """Where a frame is packed: the current stream, or (`after` given) the frame stream,
