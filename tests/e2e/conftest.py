@@ -27,7 +27,7 @@ SERVERS = {
     "spec_server": (("--max-num-seqs", "8", "--max-model-len", "1024", "--enable-keep-sampling-mask",
                      "--speculative-config", SPEC_CONFIG), SPEC_API_KEY),
     # test_lifecycle.py: one server per test, each taken down by its test.
-    "killed_worker_server": (("--max-num-seqs", "8"), None),
+    "killed_worker_server": (("--max-num-seqs", "8", "--enable-keep-sampling-mask"), None),
     "sigterm_server": (("--max-num-seqs", "4"), None),
 }
 # A start-up keeps about one core busy: servers of one group start together, in pairs, and the

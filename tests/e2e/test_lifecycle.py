@@ -1,4 +1,5 @@
-"""Failure and shutdown: a killed worker fails requests promptly; SIGTERM leaves no processes."""
+"""Failure and shutdown: a killed worker fails requests promptly (a body already going out is cut
+short); SIGTERM leaves no processes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import httpx
 import psutil
 import pytest
 
-BODY = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
+BODY = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "return_sampling_mask": False}
+# Large bitmap masks: the non-streaming body goes out while the request runs (docs/sampling.md).
+PROGRESSIVE = {**BODY, "return_sampling_mask": True, "sampling_mask_format": "bitmap", "temperature": 1.5,
+               "top_p": 0.99}
 
 
 # Each test takes its own server down; the two start together (conftest.py, `ServerLauncher`).
@@ -42,11 +46,23 @@ def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_u
                         events.append(line[6:])
             results["stream"] = (time.monotonic(), r.status_code, events)
 
-        threads = [threading.Thread(target=non_stream), threading.Thread(target=stream)]
+        body_started = threading.Event()
+
+        def progressive() -> None:
+            try:
+                with httpx.stream("POST", f"{server.base_url}/v1/completions", json=PROGRESSIVE, timeout=60) as r:
+                    body_started.set()
+                    r.read()
+                results["progressive"] = (time.monotonic(), r.status_code, "whole body")
+            except httpx.RemoteProtocolError as exc:
+                results["progressive"] = (time.monotonic(), r.status_code, str(exc))
+
+        threads = [threading.Thread(target=f) for f in (non_stream, stream, progressive)]
         for t in threads:
             t.start()
+        assert body_started.wait(timeout=60), "the bitmap answer's body never started"
         deadline = time.monotonic() + 30
-        while server.metrics()["fastdeploy_num_requests_running"] < 2 and time.monotonic() < deadline:
+        while server.metrics()["fastdeploy_num_requests_running"] < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         worker = server.worker_process()
         killed_at = time.monotonic()
@@ -61,6 +77,10 @@ def test_killed_worker_fails_in_flight_requests_and_health_then_sigterm_cleans_u
         done_at, status, events = results["stream"]
         assert done_at - killed_at < 5.0
         assert events[-1] == "[DONE]" and '"error"' in events[-2]
+        # Its status went out with the first block: the body is cut short, never completed.
+        done_at, status, outcome = results["progressive"]
+        assert done_at - killed_at < 5.0
+        assert status == 200 and outcome != "whole body"
 
         assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 503
         r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"}, timeout=10)

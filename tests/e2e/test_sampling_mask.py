@@ -8,6 +8,7 @@ import math
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -167,3 +168,50 @@ def test_unknown_sampling_mask_format_is_a_400(mask_server, path, body, value):
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["param"] == "sampling_mask_format" and error["type"] == "invalid_request_error"
+
+
+def _streamed_choices(server, path: str, body: dict) -> dict[int, dict]:
+    """Per choice index: token ids, masks, logZ, text and finish reason of the SSE answer."""
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.base_url}{path}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in orjson.loads(line[6:])["choices"]:
+                got = choices.setdefault(c["index"], {"token_ids": [], "sampling_mask": [], "sampling_logz": [],
+                                                      "text": "", "finish_reason": None})
+                got["token_ids"] += c.get("token_ids") or []
+                got["sampling_mask"] += c.get("sampling_mask") or []
+                got["sampling_logz"] += c.get("sampling_logz") or []
+                got["text"] += c["text"] if "text" in c else (c["delta"].get("content") or "")
+                got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+    return choices
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_long_bitmap_answer_goes_out_while_it_runs_and_equals_the_stream(mask_server, path):
+    """Past one block of bitmap JSON (1 MB: 128 tokens at this vocabulary) a non-streaming body
+    is sent while the request runs (chunked, no length known ahead); its choices hold what the
+    same seeded request streams: tokens, text, every bitmap, logZ (to float32's last place)."""
+    n = 2 if path == "/v1/completions" else 1
+    body = {"model": MODEL, "temperature": 1.5, "top_p": 0.99, "max_tokens": 150, "n": n, "seed": 3,
+            "ignore_eos": True, "return_token_ids": True, "sampling_mask_format": "bitmap"}
+    body.update({"prompt": "The sea is"} if path == "/v1/completions" else {"messages": CHAT})
+    r = httpx.post(f"{mask_server.base_url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers.get("transfer-encoding") == "chunked" and "content-length" not in r.headers
+    full = r.json()
+    streamed = _streamed_choices(mask_server, path, body)
+    assert [c["index"] for c in full["choices"]] == list(range(n))
+    assert full["usage"]["completion_tokens"] == 150 * n
+    for choice in full["choices"]:
+        want = streamed[choice["index"]]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert choice["token_ids"] == want["token_ids"] and len(want["token_ids"]) == 150
+        assert choice["sampling_mask"] == want["sampling_mask"]
+        # The second request's prefill may read the first one's cached prompt blocks: logZ
+        # can differ in float32's last place.
+        assert np.allclose(choice["sampling_logz"], want["sampling_logz"], rtol=1e-6, atol=1e-7)
+        assert (text, choice["finish_reason"]) == (want["text"], want["finish_reason"])
+        check_aligned(decoded(choice["sampling_mask"]), choice["sampling_logz"], choice["token_ids"])

@@ -65,11 +65,15 @@ class ServedChoice(CompletionOutput):
     The items are kept as pieces (a token's base64 and the quotes and commas around it), joined
     into blocks of about `MASK_BLOCK_BYTES` as they fill: a token costs one base64 encoding and
     one copy into its block, and the finished array is the blocks as they are, which the
-    response writes one after the other (`json_response`'s splices) without joining them."""
+    response writes one after the other (`json_response`'s splices) without joining them. A
+    body written while the request runs (`full_body.ProgressiveBody`) takes the blocks as they
+    fill instead (`take_mask_json`), so the choice keeps none of them."""
 
     def __init__(self, index: int) -> None:
         super().__init__(index=index)
         self.bitmaps = False  # the choice's masks are bitmaps (then kept only as JSON pieces)
+        self.mask_sent = False  # the whole array went out through `take_mask_json`
+        self._mask_opened = False  # its "[" went out
         self._mask_blocks: list[bytes] = []
         self._mask_pieces: list[bytes | memoryview] = []  # not yet in a block
         self._mask_pending = 0  # bytes in `_mask_pieces`
@@ -85,17 +89,36 @@ class ServedChoice(CompletionOutput):
         self._mask_pending += bitmap_pieces(masks, self._mask_pieces, first=self._mask_items == 0)
         self._mask_items += len(masks)
         if self._mask_pending >= MASK_BLOCK_BYTES:
-            self._mask_blocks.append(b"".join(self._mask_pieces))
-            self._mask_pieces.clear()
-            self._mask_pending = 0
+            self._close_block()
+
+    def has_mask_block(self) -> bool:
+        """A block of the bitmaps' JSON is full."""
+        return bool(self._mask_blocks)
+
+    def take_mask_json(self, final: bool) -> list[bytes]:
+        """The bitmaps' JSON array from where the last call stopped: its full blocks ("[" before
+        the first), and with `final` (the choice has finished) the rest and "]"."""
+        parts = [] if self._mask_opened else [b"["]
+        self._mask_opened = True
+        if final:
+            self._close_block()
+        parts += self._mask_blocks
+        self._mask_blocks = []
+        if final:
+            parts.append(b"]")
+            self.mask_sent = True
+        return parts
 
     def mask_json_parts(self) -> list[bytes]:
         """The bitmaps' JSON array as consecutive pieces (their concatenation is the array)."""
+        self._close_block()
+        return [b"[", *self._mask_blocks, b"]"]
+
+    def _close_block(self) -> None:
         if self._mask_pieces:
             self._mask_blocks.append(b"".join(self._mask_pieces))
             self._mask_pieces.clear()
             self._mask_pending = 0
-        return [b"[", *self._mask_blocks, b"]"]
 
 
 # A marker orjson writes verbatim where a spliced value goes: a raw NUL byte, which orjson's
@@ -110,14 +133,16 @@ def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_i
     """The fields OpenAI does not have: sampling masks and token ids.
 
     With `splices`, a served choice's bitmap array is not copied into the body: its pieces are
-    appended there and the field holds a marker that `json_response(..., splices)` replaces."""
+    appended there and the field holds a marker that `json_response(..., splices)` replaces.
+    A choice whose array went out already (`ServedChoice.take_mask_json`) has no such field."""
     extra: dict[str, Any] = {}
     if isinstance(chunk_or_choice, ServedChoice) and chunk_or_choice.bitmaps:
-        parts = chunk_or_choice.mask_json_parts()
-        if splices is None:
-            extra["sampling_mask"] = orjson.Fragment(b"".join(parts))
+        if chunk_or_choice.mask_sent:
+            pass
+        elif splices is None:
+            extra["sampling_mask"] = orjson.Fragment(b"".join(chunk_or_choice.mask_json_parts()))
         else:
-            splices.append(parts)
+            splices.append(chunk_or_choice.mask_json_parts())
             extra["sampling_mask"] = _SPLICE
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     elif (masks := chunk_or_choice.sampling_masks) is not None:

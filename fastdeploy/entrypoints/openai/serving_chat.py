@@ -9,10 +9,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from fastdeploy.entrypoints.openai.errors import bad_request
-from fastdeploy.entrypoints.openai.event_stream import EventStreamResponse
-from fastdeploy.entrypoints.openai.formatting import chat_logprobs, extra_fields, json_response, sse, usage
+from fastdeploy.entrypoints.openai.formatting import ServedChoice, chat_logprobs, extra_fields, sse, usage
+from fastdeploy.entrypoints.openai.full_body import BodyLayout
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+from fastdeploy.entrypoints.openai.streamed_response import StreamedResponse
 from fastdeploy.entrypoints.openai.validation import encode_text
 from fastdeploy.reasoning import ReasoningParser, ReasoningSplitter, get_reasoning_parser
 
@@ -40,7 +41,7 @@ class OpenAIServingChat(OpenAIServing):
         engine_requests = self.engine_requests(request, request_id, [prompt], params, "messages")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return EventStreamResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests))
+            return StreamedResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests))
         return await until_disconnected(
             raw_request, self._full(request, request_id, model, prompt_text, prompt, engine_requests))
 
@@ -51,29 +52,24 @@ class OpenAIServingChat(OpenAIServing):
         return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     async def _full(self, request, request_id, model, prompt_text, prompt, engine_requests) -> Response:
-        choices = await self.collect_choices(engine_requests)
-        splices: list[list[bytes]] = []  # bitmap arrays, written into the body without a copy
-        body = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": self._message(prompt_text, c.text),
-                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    **extra_fields(c, request.return_token_ids, splices),
-                }
-                for i, c in enumerate(choices)
-            ],
-            "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices)),
-        }
-        if request.return_token_ids:
-            body["prompt_token_ids"] = prompt
-        return json_response(body, splices=splices)
+        def render_choice(i: int, c: ServedChoice, splices: list[list[bytes]] | None) -> dict:
+            return {
+                "index": i,
+                "message": self._message(prompt_text, c.text),
+                "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                **extra_fields(c, request.return_token_ids, splices),
+            }
+
+        def render_tail(choices: list[ServedChoice]) -> dict:
+            tail: dict = {"usage": usage(len(prompt), sum(len(c.token_ids) for c in choices))}
+            if request.return_token_ids:
+                tail["prompt_token_ids"] = prompt
+            return tail
+
+        envelope = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model}
+        return await self.full_response(engine_requests, BodyLayout(envelope, render_choice, render_tail))
 
     async def _stream(self, request, request_id, model, prompt_text, prompt,
                       engine_requests) -> AsyncGenerator[bytes, None]:

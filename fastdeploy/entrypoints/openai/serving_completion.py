@@ -8,15 +8,11 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import Response
 
-from fastdeploy.entrypoints.openai.event_stream import EventStreamResponse
-from fastdeploy.entrypoints.openai.formatting import (
-    completion_logprobs,
-    extra_fields,
-    json_response,
-    usage,
-)
+from fastdeploy.entrypoints.openai.formatting import ServedChoice, completion_logprobs, extra_fields, usage
+from fastdeploy.entrypoints.openai.full_body import BodyLayout
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
+from fastdeploy.entrypoints.openai.streamed_response import StreamedResponse
 from fastdeploy.entrypoints.openai.validation import check_choices, encode_text
 
 
@@ -31,36 +27,29 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_requests = self.engine_requests(request, request_id, prompts, params, "prompt")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return EventStreamResponse(self._stream(request, request_id, model, prompts, engine_requests))
+            return StreamedResponse(self._stream(request, request_id, model, prompts, engine_requests))
         return await until_disconnected(raw_request,
                                         self._full(request, request_id, model, prompts, engine_requests))
 
     async def _full(self, request, request_id, model, prompts, engine_requests) -> Response:
-        choices = await self.collect_choices(engine_requests)
-        splices: list[list[bytes]] = []  # bitmap arrays, written into the body without a copy
-        body = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "index": i,
-                    "text": c.text,
-                    "logprobs": completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    **extra_fields(c, request.return_token_ids, splices),
-                }
-                for i, c in enumerate(choices)
-            ],
-            "usage": usage(sum(len(p) for p in prompts), sum(len(c.token_ids) for c in choices)),
-        }
-        if request.return_token_ids:
-            n = request.n
-            for i, choice in enumerate(body["choices"]):
-                choice["prompt_token_ids"] = prompts[i // n]
-        return json_response(body, splices=splices)
+        def render_choice(i: int, c: ServedChoice, splices: list[list[bytes]] | None) -> dict:
+            choice = {
+                "index": i,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                **extra_fields(c, request.return_token_ids, splices),
+            }
+            if request.return_token_ids:
+                choice["prompt_token_ids"] = prompts[i // request.n]
+            return choice
+
+        def render_tail(choices: list[ServedChoice]) -> dict:
+            return {"usage": usage(sum(len(p) for p in prompts), sum(len(c.token_ids) for c in choices))}
+
+        envelope = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        return await self.full_response(engine_requests, BodyLayout(envelope, render_choice, render_tail))
 
     async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncGenerator[bytes, None]:
         created = int(time.time())

@@ -7,20 +7,23 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from fastdeploy.common.request import EngineRequest
 from fastdeploy.common.sampling_params import ParameterError, SamplingParams
 from fastdeploy.engine.admission import admit_request
 from fastdeploy.engine.engine_client import EngineClient, EngineDeadError
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
-from fastdeploy.entrypoints.openai.formatting import ServedChoice, sse, usage
+from fastdeploy.entrypoints.openai.formatting import ServedChoice, json_response, sse, usage
+from fastdeploy.entrypoints.openai.full_body import BodyLayout, ProgressiveBody
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import GUIDED_FIELDS, CommonRequest
+from fastdeploy.entrypoints.openai.streamed_response import StreamedResponse
 from fastdeploy.entrypoints.openai.validation import check_context, check_no_external_refs, check_sampling
 from fastdeploy.output.detokenizer import TokenTexts
 from fastdeploy.output.output_processor import OutputChunk, RequestOutputState
@@ -91,15 +94,31 @@ class OpenAIServing:
                 raise bad_request(str(exc), param) from None
         return requests
 
-    async def collect_choices(self, requests: list[EngineRequest]) -> list[ServedChoice]:
-        """Run every choice to the end; the first failed choice fails the whole response."""
+    async def full_response(self, requests: list[EngineRequest], layout: BodyLayout) -> Response:
+        """The non-streaming answer: written whole once every choice has finished, where the
+        first failed choice fails the whole response; or, once the first choice's bitmap masks
+        fill a block, written while the choices run (`full_body.ProgressiveBody`)."""
         choices = [ServedChoice(i) for i in range(len(requests))]
-        async for event in self.run_choices(requests):
-            choices[event.index].add(event.chunk)
-        for choice in choices:
-            if choice.finish_reason == "error":
-                raise self.generation_error(choice.error, choice.error_status)
-        return choices
+        events = self.run_choices(requests)
+        progressive = False
+        try:
+            async for event in events:
+                choice = choices[event.index]
+                choice.add(event.chunk)
+                if choice.finish_reason == "error":
+                    raise self.choice_error(choice)
+                if choices[0].has_mask_block():
+                    progressive = True
+                    body = ProgressiveBody(layout, choices, events, self.choice_error)
+                    return StreamedResponse(body.parts(), media_type="application/json")
+        finally:
+            if not progressive:
+                await events.aclose()
+        splices: list[list[bytes]] = []  # bitmap arrays, written into the body without a copy
+        return json_response(layout.body(choices, splices), splices=splices)
+
+    def choice_error(self, choice: ServedChoice) -> APIError:
+        return self.generation_error(choice.error, choice.error_status)
 
     async def sse_events(self, requests: list[EngineRequest], format_choice: Callable[[ChoiceEvent], dict],
                          wrap: Callable[..., dict], prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
@@ -132,7 +151,7 @@ class OpenAIServing:
             yield sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body())
         yield sse("[DONE]")
 
-    async def run_choices(self, requests: list[EngineRequest]) -> AsyncIterator[ChoiceEvent]:
+    async def run_choices(self, requests: list[EngineRequest]) -> AsyncGenerator[ChoiceEvent, None]:
         """Merge the deltas of all choices as they come, index = position in `requests`."""
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from fastdeploy.entrypoints.openai.event_stream import EventStreamResponse
+from fastdeploy.entrypoints.openai.streamed_response import StreamedResponse
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}}
 
@@ -40,7 +40,7 @@ def test_a_failed_write_closes_the_generator():
     async def main() -> None:
         stream = events(closed)  # held here, so only the response can close it
         with pytest.raises(OSError):
-            await EventStreamResponse(stream)(SCOPE, never_disconnects, send)
+            await StreamedResponse(stream)(SCOPE, never_disconnects, send)
         assert closed == ["closed"]  # before the event loop's shutdown closes what is left
 
     asyncio.run(main())
@@ -58,7 +58,7 @@ def test_a_write_cancelled_while_blocked_closes_the_generator():
 
     async def main() -> None:
         stream = events(closed)
-        task = asyncio.create_task(EventStreamResponse(stream)(SCOPE, never_disconnects, send))
+        task = asyncio.create_task(StreamedResponse(stream)(SCOPE, never_disconnects, send))
         await asyncio.wait_for(blocked.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
