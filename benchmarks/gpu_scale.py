@@ -223,14 +223,14 @@ def part_step(args: argparse.Namespace, out: PartOutput) -> None:
     bandwidth = copy_bandwidth(args.device, 4 * 2**30 if args.device.startswith("cuda") else 2**26)
     settings = argparse.Namespace(model=args.step_model, device=args.device, batches=args.step_batches, prompt_len=128,
                                   warmup=4, steps=args.step_steps, max_model_len=512, prefill_tokens=8192,
-                                  prefill_len=512)
+                                  prefill_len=512, share_prefix=[1], skip_eager=True)
     info, rows, _ = bench_fastdeploy(settings)
     floor_ms = 1e3 * info["weight_bytes_streamed"] / bandwidth
     for row in rows:
         # As gpu_decode.py: the step as the engine runs it (steps overlapped, CUDA graphs where
         # captured); the step in turn beside it.
         row["vs_floor"] = step_ms(row) / floor_ms
-        row["in_turn_vs_floor"] = row.get("graph_step_ms", row["eager_step_ms"]) / floor_ms
+        row["in_turn_vs_floor"] = row.get("graph_step_ms", row.get("eager_step_ms", 0.0)) / floor_ms
         out.put("step_over_floor", row["batch"], row["vs_floor"])
     out.details.update({"copy_bandwidth_bytes_per_s": bandwidth, "floor_ms": floor_ms, **info, "decode": rows})
 
