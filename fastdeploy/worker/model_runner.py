@@ -45,7 +45,7 @@ from fastdeploy.worker.sequence_state import WorkerSequence
 from fastdeploy.worker.startup_timing import StartupTimes
 from fastdeploy.worker.step_output import StepOutput
 from fastdeploy.worker.tp_startup import PlanChannel, start_tensor_parallel
-from fastdeploy.worker.warmup import warm_up_sampler
+from fastdeploy.worker.warmup import start_sampler_compile, warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,9 @@ class ModelRunner:
             self.model, self.model_config = get_model(
                 config.model, config.load_format, dtype=self.dtype, device=str(self.device), seed=config.seed
             )
+        # The sampler's slowest kernels compile in the background while the KV cache and the
+        # CUDA graphs are set up (rank 0 samples).
+        compiling = start_sampler_compile(self.model_config.vocab_size, self.device) if rank == 0 else []
         # This rank's share of the attention heads: what its KV cache holds.
         cache_model_config = local_config(self.model_config, config.tensor_parallel_size)
         self.block_size = config.cache.block_size
@@ -133,6 +136,8 @@ class ModelRunner:
                                             config.reasoning_parser, backend=config.guided_decoding_backend)
         if rank == 0:  # the rank that samples
             with times.phase("sampler warm-up"):
+                for compiled in compiling:
+                    compiled.result()
                 warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
                                 self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
         logger.info("rank %d: %s", rank, times.summary())

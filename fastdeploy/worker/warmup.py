@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.model_executor.layers.sample import kept_set_gpu
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 from fastdeploy.worker.input_prep import sampling_metadata
 from fastdeploy.worker.sequence_state import WorkerSequence
@@ -36,3 +39,15 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device, wit
         sampler(logits[:len(rows)], sampling_metadata(states, logprobs_mode, device), settle_kept_sets=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def start_sampler_compile(vocab_size: int, device: torch.device) -> list[Future]:
+    """Starts compiling the sampler's slowest kernels (the kept set's row search, 20-30 s a
+    variant on an H100 host) in background threads, so they overlap each other and the start-up
+    work that follows; `warm_up_sampler` then finds them compiled once the futures are done.
+    Nothing to compile (an empty list) where the sort-free GPU path is not used."""
+    if not kept_set_gpu.uses_fast_path(device):
+        return []
+    meta = sampling_metadata([WorkerSequence([0], SamplingParams(top_p=0.9), False, None)], "raw_logprobs", device)
+    dtypes = (meta.temperature.dtype, meta.top_k.dtype, meta.top_p.dtype, meta.min_p.dtype)
+    return kept_set_gpu.compile_row_search(vocab_size, dtypes, device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from sampler_test_utils import csr_row, make_meta
 
-from fastdeploy.model_executor.layers.sample.ops import pack_bits
+from fastdeploy.model_executor.layers.sample.ops import pack_bits, pack_bits_on_device
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
 
 
@@ -18,11 +18,13 @@ def _to(obj, device):
     return dataclasses.replace(obj, **{n: t.to(device) for n, t in tensors.items() if isinstance(t, torch.Tensor)})
 
 
+@pytest.mark.parametrize("pack", [pack_bits, pack_bits_on_device])
 @pytest.mark.parametrize("v", [1, 8, 13, 49152])
-def test_pack_bits_matches_numpy_packbits(v: int):
+def test_pack_bits_matches_numpy_packbits(v: int, pack):
+    """Both forms (numpy on the CPU, torch ops for an accelerator, run here on the CPU)."""
     flags = torch.rand(5, v, generator=torch.Generator().manual_seed(v)) < 0.3
     want = np.packbits(flags.numpy(), axis=1, bitorder="little")
-    assert pack_bits(flags).numpy().tolist() == want.tolist()
+    assert pack(flags).numpy().tolist() == want.tolist()
 
 
 def _batch(b: int, v: int, seed: int):

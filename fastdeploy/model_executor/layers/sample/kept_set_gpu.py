@@ -73,8 +73,8 @@ try:  # pragma: no cover - only on machines with triton
 except Exception:  # noqa: BLE001 - any import failure means no kernel
     triton = None
 
-__all__ = ["GREEDY_SLOT", "GpuKeptSet", "KeptBounds", "compact", "dense_mask", "fill_sampling_mask_dense",
-           "kept_bounds", "kept_set", "redo_flagged", "uses_fast_path"]
+__all__ = ["GREEDY_SLOT", "GpuKeptSet", "KeptBounds", "compact", "compile_row_search", "dense_mask",
+           "fill_sampling_mask_dense", "kept_bounds", "kept_set", "redo_flagged", "uses_fast_path"]
 
 PIVOTS = 16  # pivots per narrowing pass (including both ends of the interval)
 CANDIDATES = 2048  # logits gathered and sorted per row (a power of two: tl.sort)
@@ -141,36 +141,80 @@ def kept_bounds(proc: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     x = proc if proc.stride(1) == 1 else proc.contiguous()
     r, v = x.shape
     dev = x.device
+    failed = torch.empty(r, dtype=torch.int32, device=dev)
     out = KeptBounds(
         value=torch.empty(r, dtype=torch.float32, device=dev),
         last_id=torch.empty(r, dtype=torch.int32, device=dev),
         count=torch.empty(r, dtype=torch.int32, device=dev),
         logz=torch.empty(r, dtype=torch.float64, device=dev),
-        failed=torch.empty(r, dtype=torch.int32, device=dev),
+        failed=failed,
     )
     if r == 0:
         return out
     params = (temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous())
     cand = torch.empty(r, CANDIDATES, dtype=torch.int64, device=dev)
-    results = (cand, out.value, out.last_id, out.count, out.logz, out.failed)
-    settings = {"C": CANDIDATES, "P": PIVOTS, "DELTA": MASS_DELTA, "SPAN": SPAN, "VALUE_PASSES": VALUE_PASSES,
-                "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    results = (cand, out.value, out.last_id, out.count, out.logz, failed)
     if v <= prefilter_module.CAP * PREFILTER_MIN_SHRINK:
         run_all = torch.zeros(r, dtype=torch.int32, device=dev)
-        search_kernels._kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, run_all, run_all, out.logz,
-                                              run_all, run_all, v, COMPACT=False, **settings)
+        _row_search(x, params, results, run_all, run_all, out.logz, run_all, run_all, compact=False)
         return out
     # Rows cut to their candidates first (many programs per row); each row is then searched
     # over its candidates, or over its full row where they did not fit.
     pf = prefilter_module.prefilter(x, *params)
     out.candidates = pf
     full = pf.full_row
-    short = {**settings, "BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS}
-    search_kernels._kept_set_kernel[(r,)](pf.x, pf.x.stride(0), v, *params, *results, full, pf.count, pf.row_z,
-                                          pf.row_finite, pf.ids, v, COMPACT=True, **short)
-    search_kernels._kept_set_kernel[(r,)](x, x.stride(0), v, *params, *results, 1 - full, pf.count, pf.row_z,
-                                          pf.row_finite, pf.ids, v, COMPACT=False, **settings)
+    _row_search(pf.x, params, results, full, pf.count, pf.row_z, pf.row_finite, pf.ids, compact=True, vocab_size=v)
+    _row_search(x, params, results, 1 - full, pf.count, pf.row_z, pf.row_finite, pf.ids, compact=False)
     return out
+
+
+def _row_search(x: torch.Tensor, params: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...],
+                skip: torch.Tensor, n: torch.Tensor, row_z: torch.Tensor, row_finite: torch.Tensor,
+                ids: torch.Tensor, compact: bool, vocab_size: int | None = None, compile_only: bool = False) -> None:
+    """One launch of the row search over x's rows (a prefilter's candidates with `compact`, of a
+    `vocab_size` wide row); `compile_only`: compile the kernel for these arguments, launch nothing."""
+    v = vocab_size if vocab_size is not None else x.shape[1]
+    settings = {"C": CANDIDATES, "P": PIVOTS, "DELTA": MASS_DELTA, "SPAN": SPAN, "VALUE_PASSES": VALUE_PASSES,
+                "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    if compact:
+        settings.update(BLOCK=COMPACT_BLOCK, num_warps=COMPACT_WARPS)
+    args = (x, x.stride(0), v, *params, *results, skip, n, row_z, row_finite, ids, v)
+    kernel = search_kernels._kept_set_kernel
+    if compile_only:
+        kernel.warmup(*args, grid=(x.shape[0],), COMPACT=compact, **settings)
+    else:
+        kernel[(x.shape[0],)](*args, COMPACT=compact, **settings)
+
+
+def compile_row_search(vocab_size: int, param_dtypes: tuple[torch.dtype, ...], device: torch.device) -> list:
+    """Compiles, without launching anything, the row search's two variants (full rows, and a
+    prefilter's candidates) for rows `vocab_size` wide and sampling parameters (temperature,
+    top_k, top_p, min_p) of `param_dtypes`, the two at once in two threads; returns their
+    futures. Triton spends 20-30 s of an H100 host's time on each, mostly in its compiler's
+    native passes outside the GIL, so the two overlap each other and the caller's own start-up
+    work; at a fresh start, one after the other, they were most of the time to ready. Arguments
+    as `kept_bounds` passes them, so its launches find the compiled kernels."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    params = tuple(empty(1, dtype=d) for d in param_dtypes)
+    results = (empty(1, CANDIDATES, dtype=torch.int64), empty(1, dtype=torch.float32), empty(1, dtype=torch.int32),
+               empty(1, dtype=torch.int32), empty(1, dtype=torch.float64), empty(1, dtype=torch.int32))
+    cap = prefilter_module.CAP
+    ints = empty(1, dtype=torch.int32)
+    row_z = empty(1, dtype=torch.float64)
+    ids = empty(1, cap, dtype=torch.int32)
+    launches = [(empty(1, cap, dtype=torch.float32), True, vocab_size),
+                (empty(1, vocab_size, dtype=torch.float32), False, None)]
+    if vocab_size <= cap * PREFILTER_MIN_SHRINK:
+        launches = launches[1:]
+    pool = ThreadPoolExecutor(max_workers=len(launches), thread_name_prefix="compile-row-search")
+    futures = [pool.submit(_row_search, x, params, results, ints, ints, row_z, ints, ids, compact=compact,
+                           vocab_size=width, compile_only=True) for x, compact, width in launches]
+    pool.shutdown(wait=False)
+    return futures
 
 
 def dense_mask(proc: torch.Tensor, value: torch.Tensor, last_id: torch.Tensor) -> torch.Tensor:

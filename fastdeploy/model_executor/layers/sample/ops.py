@@ -7,6 +7,7 @@ name ends in ``_`` modify ``logits`` in place and also return it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fastdeploy.model_executor.guided_decoding.bitmask import apply_token_bitmask_inplace
@@ -138,6 +139,15 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """bool [R, V] -> uint8 [R, ceil(V/8)]: bit i % 8 of byte i // 8 is flags[:, i], least
     significant bit first (numpy's packbits(..., bitorder="little")), on the flags' device."""
+    if flags.device.type == "cpu":
+        # numpy packs a bool row in one pass; the torch form below makes and sums a byte per
+        # flag (about 20 ms a step at batch 16 with a 49k vocabulary on 2 cores, against < 1).
+        return torch.from_numpy(np.packbits(flags.contiguous().numpy(), axis=1, bitorder="little"))
+    return pack_bits_on_device(flags)
+
+
+def pack_bits_on_device(flags: torch.Tensor) -> torch.Tensor:
+    """`pack_bits` in torch ops, for flags on an accelerator (runs on any device)."""
     rows, v = flags.shape
     pad = -v % 8
     if pad:
