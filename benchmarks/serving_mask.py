@@ -25,7 +25,9 @@ over P load-generator processes that start together: a 7B-vocabulary bitmap body
 per 256 tokens, and one Python client process may read them slower than a GPU server writes them.
 Phase timing per request (medians in each row, per wave under `waves`; `phase_summary`): sent to
 response headers (the server holds the request: queueing, generation, building the answer) and
-headers to the whole body read (the transfer); each client's r-th request is wave r.
+headers to the whole body read (the transfer); each client's r-th request is wave r. An answer
+whose bitmaps fill a block of JSON is written while it runs (docs/sampling.md): its headers come
+after the first block and its body read spans the rest of the generation.
 
 `--rss-requests N` then sends N short masked requests (8 tokens, flat case, bitmap and ids
 alternating) to the flag-on server and records its RSS before and after: nothing of a
