@@ -45,7 +45,7 @@ from fastdeploy.worker.sequence_state import WorkerSequence
 from fastdeploy.worker.startup_timing import StartupTimes
 from fastdeploy.worker.step_output import StepOutput
 from fastdeploy.worker.tp_startup import PlanChannel, start_tensor_parallel
-from fastdeploy.worker.warmup import start_sampler_compile, warm_up_sampler
+from fastdeploy.worker.warmup import start_sampler_compile, wait_sampler_compile, warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +136,7 @@ class ModelRunner:
                                             config.reasoning_parser, backend=config.guided_decoding_backend)
         if rank == 0:  # the rank that samples
             with times.phase("sampler warm-up"):
-                for compiled in compiling:
-                    compiled.result()
+                wait_sampler_compile(compiling)
                 warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
                                 self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
         logger.info("rank %d: %s", rank, times.summary())

@@ -41,6 +41,10 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device, wit
         torch.cuda.synchronize(device)
 
 
+# How long the warm-up waits for the background compiles (each takes 20-30 s on an H100 host).
+SAMPLER_COMPILE_TIMEOUT_S = 600.0
+
+
 def start_sampler_compile(vocab_size: int, device: torch.device) -> list[Future]:
     """Starts compiling the sampler's slowest kernels (the kept set's row search, 20-30 s a
     variant on an H100 host) in background threads, so they overlap each other and the start-up
@@ -51,3 +55,10 @@ def start_sampler_compile(vocab_size: int, device: torch.device) -> list[Future]
     meta = sampling_metadata([WorkerSequence([0], SamplingParams(top_p=0.9), False, None)], "raw_logprobs", device)
     dtypes = (meta.temperature.dtype, meta.top_k.dtype, meta.top_p.dtype, meta.min_p.dtype)
     return kept_set_gpu.compile_row_search(vocab_size, dtypes, device)
+
+
+def wait_sampler_compile(compiling: list[Future]) -> None:
+    """Waits for `start_sampler_compile`'s futures, each at most SAMPLER_COMPILE_TIMEOUT_S: a
+    compile that fails or hangs fails the start-up with its error."""
+    for future in compiling:
+        future.result(timeout=SAMPLER_COMPILE_TIMEOUT_S)

@@ -10,7 +10,7 @@ from fastdeploy.model_executor.layers.sample import kept_set_prefilter
 from fastdeploy.model_executor.layers.sample import kept_set_search_kernels as search_kernels
 from fastdeploy.model_executor.layers.sample.kept_set_gpu import PREFILTER_MIN_SHRINK
 from fastdeploy.model_executor.layers.sample.sampler import Sampler
-from fastdeploy.worker.warmup import start_sampler_compile, warm_up_sampler
+from fastdeploy.worker.warmup import start_sampler_compile, wait_sampler_compile, warm_up_sampler
 from tests.gpu.test_triton_attention import _compiled_variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,8 +22,7 @@ def test_the_background_compile_leaves_the_warm_up_nothing_to_compile(vocab_size
     kernel = search_kernels._kept_set_kernel
     kernel.device_caches.clear()  # this process's earlier launches must not stand in for the compile
     futures = start_sampler_compile(vocab_size, device)
-    for future in futures:
-        future.result(timeout=600)
+    wait_sampler_compile(futures)
     compiled = _compiled_variants(kernel)
     # Two variants (full rows, a prefilter's candidates); rows too narrow for the prefilter: one.
     assert len(futures) == compiled == (2 if vocab_size > kept_set_prefilter.CAP * PREFILTER_MIN_SHRINK else 1)
