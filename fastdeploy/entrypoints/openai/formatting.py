@@ -137,13 +137,13 @@ def extra_fields(chunk_or_choice: CompletionOutput | OutputChunk, return_token_i
     A choice whose array went out already (`ServedChoice.take_mask_json`) has no such field."""
     extra: dict[str, Any] = {}
     if isinstance(chunk_or_choice, ServedChoice) and chunk_or_choice.bitmaps:
-        if chunk_or_choice.mask_sent:
-            pass
-        elif splices is None:
-            extra["sampling_mask"] = orjson.Fragment(b"".join(chunk_or_choice.mask_json_parts()))
-        else:
-            splices.append(chunk_or_choice.mask_json_parts())
-            extra["sampling_mask"] = _SPLICE
+        if not chunk_or_choice.mask_sent:
+            parts = chunk_or_choice.mask_json_parts()
+            if splices is None:
+                extra["sampling_mask"] = orjson.Fragment(b"".join(parts))
+            else:
+                splices.append(parts)
+                extra["sampling_mask"] = _SPLICE
         extra["sampling_logz"] = chunk_or_choice.sampling_logz
     elif (masks := chunk_or_choice.sampling_masks) is not None:
         extra["sampling_mask"] = bitmaps_json(masks) if isinstance(masks, SamplingBitmaps) else masks.id_rows()

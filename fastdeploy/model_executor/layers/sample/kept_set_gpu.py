@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +175,7 @@ def _row_search(x: torch.Tensor, params: tuple[torch.Tensor, ...], results: tupl
     """One launch of the row search over x's rows (a prefilter's candidates with `compact`, of a
     `vocab_size` wide row); `compile_only`: compile the kernel for these arguments, launch nothing."""
     v = vocab_size if vocab_size is not None else x.shape[1]
+    # Read at each call: tests narrow the module's settings (CANDIDATES, passes) for Triton's interpreter.
     settings = {"C": CANDIDATES, "P": PIVOTS, "DELTA": MASS_DELTA, "SPAN": SPAN, "VALUE_PASSES": VALUE_PASSES,
                 "MAX_PASSES": MAX_PASSES, "BLOCK": BLOCK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
     if compact:
@@ -186,7 +188,8 @@ def _row_search(x: torch.Tensor, params: tuple[torch.Tensor, ...], results: tupl
         kernel[(x.shape[0],)](*args, COMPACT=compact, **settings)
 
 
-def compile_row_search(vocab_size: int, param_dtypes: tuple[torch.dtype, ...], device: torch.device) -> list:
+def compile_row_search(vocab_size: int, param_dtypes: tuple[torch.dtype, ...], device: torch.device
+                       ) -> list[Future]:
     """Compiles, without launching anything, the row search's two variants (full rows, and a
     prefilter's candidates) for rows `vocab_size` wide and sampling parameters (temperature,
     top_k, top_p, min_p) of `param_dtypes`, the two at once in two threads; returns their
@@ -194,8 +197,6 @@ def compile_row_search(vocab_size: int, param_dtypes: tuple[torch.dtype, ...], d
     native passes outside the GIL, so the two overlap each other and the caller's own start-up
     work; at a fresh start, one after the other, they were most of the time to ready. Arguments
     as `kept_bounds` passes them, so its launches find the compiled kernels."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=device)
 
