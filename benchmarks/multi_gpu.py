@@ -12,8 +12,15 @@
    - one replica, TP=1 (GPU 0);
    - DP=2 over Ray (`--data-parallel-size 2 --data-parallel-backend ray`, one GPU each), under the
      same load and, with --dp-double-load, under twice the clients (each replica loaded as the one);
-   - TP=2 (`--tensor-parallel-size 2`).
-   Output tok/s of each; the ratios DP=2 / one replica and TP=2 / TP=1.
+   - TP=2 (`--tensor-parallel-size 2`);
+   - with --pair, two separate one-replica servers (GPU 0 and GPU 1) loaded at once, each by
+     --clients clients: what two replicas give with nothing shared (no common API process), the
+     ceiling DP=2 is measured against.
+   --dp-backend picks Ray (default) or mp for the DP rows. Output tok/s of each; the ratios
+   DP=2 / one replica and TP=2 / TP=1; the CPU share of each server process during each load
+   (API server, engines, workers; an engine under Ray is not the API server's descendant, so
+   under Ray only the API server's share is known). --profile-dir: py-spy records every server
+   process during the streamed loads of the servers named by --profile-servers.
 
 Targets (issue: two-GPU scaling): DP=2 aggregate >= 1.9x one replica; TP=2 >= 1.6x at batch 64
 and >= 1.3x at batch 1. Writes benchmarks/results/multi_gpu.json and a PNG.
@@ -23,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -95,52 +104,105 @@ def _client_process(base: str, model: str, client_ids: list[int], per_client: in
     results.put((tokens, start, time.perf_counter()))
 
 
-def load(server: Server, clients: int, per_client: int, max_tokens: int, stream: bool, processes: int) -> dict:
-    """`clients` concurrent clients spread over `processes` client processes, so that parsing
-    thousands of stream events a second is not the client's ceiling; output tok/s over the wall
-    time from the common start to the last answer, and the API server process's CPU share."""
+def server_processes(servers: list[Server]) -> dict[str, psutil.Process]:
+    """role -> process: each server's API process and its descendants that run Python (engines:
+    a process with children; workers: their children). Roles carry the server's index."""
+    roles: dict[str, psutil.Process] = {}
+    for s_index, server in enumerate(servers):
+        root = psutil.Process(server.proc.pid)
+        roles[f"s{s_index}.api"] = root
+        # Engines are spawned processes that start workers (the resource tracker starts none; Ray's
+        # own processes are not spawned by multiprocessing).
+        engines = [c for c in root.children() if c.children() and "spawn_main" in " ".join(c.cmdline())]
+        for e_index, engine in enumerate(engines):
+            roles[f"s{s_index}.engine{e_index}"] = engine
+            for w_index, worker in enumerate(engine.children()):
+                roles[f"s{s_index}.engine{e_index}.worker{w_index}"] = worker
+    return roles
+
+
+def cpu_seconds(roles: dict[str, psutil.Process]) -> dict[str, float]:
+    out = {}
+    for role, proc in roles.items():
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            out[role] = times.user + times.system
+    return out
+
+
+def start_profile(servers: list[Server], directory: str, name: str) -> list[subprocess.Popen]:
+    """py-spy over each server's processes, without pausing them; waits included (--idle)."""
+    os.makedirs(directory, exist_ok=True)
+    return [subprocess.Popen(["py-spy", "record", "--nonblocking", "--idle", "--subprocesses", "--rate", "50",
+                              "--format", "raw", "--output", os.path.join(directory, f"{name}_s{i}.txt"),
+                              "--pid", str(server.proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            for i, server in enumerate(servers)]
+
+
+def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, stream: bool, processes: int,
+         profile: tuple[str, str] | None = None) -> dict:
+    """`clients` concurrent clients per server, spread over `processes` client processes per server,
+    so that parsing thousands of stream events a second is not the client's ceiling; output tok/s
+    over the wall time from the common start to the last answer, and each server process's CPU
+    share. `profile`: (directory, name) of py-spy records taken during the load."""
     ctx = mp.get_context("spawn")
     processes = max(1, min(processes, clients))
-    barrier, results = ctx.Barrier(processes + 1), ctx.Queue()
+    barrier, results = ctx.Barrier(len(servers) * processes + 1), ctx.Queue()
     shares = [list(range(clients))[i::processes] for i in range(processes)]
     procs = [ctx.Process(target=_client_process, args=(server.base, server.model, share, per_client, max_tokens,
-                                                       stream, barrier, results)) for share in shares]
+                                                       stream, barrier, results))
+             for server in servers for share in shares]
     for proc in procs:
         proc.start()
-    api = psutil.Process(server.proc.pid) if server.proc is not None else None
+    roles = server_processes(servers)
     barrier.wait(timeout=120)
-    cpu_start = sum(api.cpu_times()[:2]) if api else 0.0
+    profilers = start_profile(servers, *profile) if profile else []
+    cpu_start = cpu_seconds(roles)
     wall_start = time.perf_counter()
     rows = [results.get(timeout=1800) for _ in procs]
     wall = time.perf_counter() - wall_start
-    cpu = (sum(api.cpu_times()[:2]) - cpu_start) if api else float("nan")
+    cpu_end = cpu_seconds(roles)
+    for profiler in profilers:
+        profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        profiler.wait(timeout=60)
     for proc in procs:
         proc.join(timeout=30)
     tokens = sum(r[0] for r in rows)
     span = max(r[2] for r in rows) - min(r[1] for r in rows)
-    return {"tokens": tokens, "wall_s": span, "tok_s": tokens / span, "api_cpu_share": cpu / wall}
+    shares_by_role = {role: round((cpu_end[role] - cpu_start[role]) / wall, 3) for role in cpu_end if role in cpu_start}
+    return {"tokens": tokens, "wall_s": span, "tok_s": tokens / span,
+            "api_cpu_share": shares_by_role.get("s0.api", float("nan")), "cpu_share": shares_by_role}
 
 
-def server_run(args: argparse.Namespace, name: str, extra: list[str], clients: int) -> list[dict]:
-    """`clients` concurrent clients against one server; its --max-num-seqs is a replica's share."""
-    port = free_port()
+def server_run(args: argparse.Namespace, name: str, extra: list[str], clients: int, copies: int = 1) -> list[dict]:
+    """`clients` concurrent clients against one server (`copies` = 2: against each of two
+    separate servers, on GPU 0 and GPU 1); --max-num-seqs is a replica's share."""
     per_replica = clients // 2 if "--data-parallel-size" in extra else clients
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", args.model, "--load-format", "dummy",
-           "--device", args.device, "--dtype", args.dtype, "--port", str(port),
-           "--max-num-seqs", str(max(per_replica, 8)), *shlex.split(args.server_args), *extra]
-    server = Server(f"{args.name}-{name}", cmd, "/health", {}, port)
+    servers = []
     os.makedirs(os.path.join(RESULTS_DIR, "logs"), exist_ok=True)
-    server.start(os.path.join(RESULTS_DIR, "logs", f"{args.name}-{name}.log"), timeout_s=1200)
+    for copy in range(copies):
+        port = free_port()
+        cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli", "serve", args.model, "--load-format", "dummy",
+               "--device", args.device, "--dtype", args.dtype, "--port", str(port),
+               "--max-num-seqs", str(max(per_replica, 8)), *shlex.split(args.server_args), *extra]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(copy)} if copies > 1 else None
+        servers.append(Server(f"{args.name}-{name}-{copy}", cmd, "/health", {}, port, env=env))
     rows = []
     try:
-        load(server, clients, 1, 8, True, args.client_processes)  # every batch size compiled first
+        for copy, server in enumerate(servers):
+            server.start(os.path.join(RESULTS_DIR, "logs", f"{args.name}-{name}-{copy}.log"), timeout_s=1200)
+        load(servers, clients, 1, 8, True, args.client_processes)  # every batch size compiled first
         for mode in args.modes:
-            row = load(server, clients, args.server_requests, args.server_tokens, mode == "stream",
-                       args.client_processes)
-            rows.append({"server": name, "mode": mode, "clients": clients, **row})
-            print(f"{name} {mode}: {row['tok_s']:.0f} tok/s, API process CPU {row['api_cpu_share']:.2f}", flush=True)
+            profile = ((args.profile_dir, f"{args.name}_{name}_{mode}")
+                       if args.profile_dir and name in args.profile_servers else None)
+            row = load(servers, clients, args.server_requests, args.server_tokens, mode == "stream",
+                       args.client_processes, profile)
+            rows.append({"server": name, "mode": mode, "clients": clients * copies,
+                         "dp_backend": args.dp_backend if "--data-parallel-size" in extra else None, **row})
+            print(f"{name} {mode}: {row['tok_s']:.0f} tok/s, CPU shares {row['cpu_share']}", flush=True)
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
     return rows
 
 
@@ -178,6 +240,13 @@ def main() -> None:
     ap.add_argument("--client-processes", type=int, default=8, help="processes the clients are spread over")
     ap.add_argument("--dp-double-load", action="store_true",
                     help="also DP=2 under twice the clients (each replica as loaded as the one replica)")
+    ap.add_argument("--pair", action="store_true",
+                    help="also two separate one-replica servers (GPU 0, GPU 1) loaded at once, --clients each")
+    ap.add_argument("--dp-backend", choices=["ray", "mp"], default="ray", help="the DP rows' replica backend")
+    ap.add_argument("--servers", nargs="+", default=None,
+                    help="run only these server rows (one_replica, dp2, dp2_double_load, two_servers, tp2)")
+    ap.add_argument("--profile-dir", default=None, help="py-spy records of --profile-servers' loads go here")
+    ap.add_argument("--profile-servers", nargs="+", default=["dp2_double_load"])
     ap.add_argument("--server-args", default="", help="more `fastdeploy serve` arguments, one string")
     ap.add_argument("--skip-in-process", action="store_true")
     ap.add_argument("--skip-servers", action="store_true")
@@ -196,24 +265,26 @@ def main() -> None:
         rows = {r["tp"]: r["decode_tok_s"] for r in tp_rows if r["batch"] == batch and r["all_reduce"] != "nccl"}
         if 1 in rows and 2 in rows:
             summary[f"tp2_over_tp1_batch_{batch}"] = rows[2] / rows[1]
-    dp = ["--data-parallel-size", "2", "--data-parallel-backend", "ray"]
-    # (extra arguments, clients): DP=2 under the same load, and (weak scaling) under the one
-    # replica's load on each replica.
-    servers = {"one_replica": ([], args.clients), "dp2_ray": (dp, args.clients),
-               "dp2_ray_double_load": (dp, 2 * args.clients), "tp2": (["--tensor-parallel-size", "2"], args.clients)}
-    if not args.dp_double_load:
-        del servers["dp2_ray_double_load"]
-    for name, (extra, clients) in ({} if args.skip_servers else servers).items():
+    dp = ["--data-parallel-size", "2", "--data-parallel-backend", args.dp_backend]
+    # (extra arguments, clients per server, servers): DP=2 under the same load, and (weak
+    # scaling) under the one replica's load on each replica; two separate servers as loaded.
+    servers = {"one_replica": ([], args.clients, 1), "dp2": (dp, args.clients, 1),
+               "dp2_double_load": (dp, 2 * args.clients, 1), "two_servers": ([], args.clients, 2),
+               "tp2": (["--tensor-parallel-size", "2"], args.clients, 1)}
+    chosen = args.servers or [name for name in servers if (name != "dp2_double_load" or args.dp_double_load)
+                              and (name != "two_servers" or args.pair)]
+    for name in [] if args.skip_servers else chosen:
+        extra, clients, copies = servers[name]
         # Written after every part, so a run cut short keeps what it measured.
         write_json(args.name, {"machine": info, "args": vars(args), "in_process_tp": tp_rows,
                                "server": server_rows, "summary": summary})
-        server_rows.extend(server_run(args, name, extra, clients))
+        server_rows.extend(server_run(args, name, extra, clients, copies))
     for mode in [] if args.skip_servers else args.modes:
         tok_s = {r["server"]: r["tok_s"] for r in server_rows if r["mode"] == mode}
-        summary[f"server_{mode}_dp2_over_one"] = tok_s["dp2_ray"] / tok_s["one_replica"]
-        summary[f"server_{mode}_tp2_over_tp1"] = tok_s["tp2"] / tok_s["one_replica"]
-        if "dp2_ray_double_load" in tok_s:
-            summary[f"server_{mode}_dp2_double_load_over_one"] = tok_s["dp2_ray_double_load"] / tok_s["one_replica"]
+        for name in ("dp2", "dp2_double_load", "two_servers", "tp2"):
+            if name in tok_s and "one_replica" in tok_s:
+                summary[f"server_{mode}_{name}_over_{'tp1' if name == 'tp2' else 'one'}"] = (
+                    tok_s[name] / tok_s["one_replica"])
     if tp_rows:
         print_table(tp_rows, [k for k in tp_rows[0] if not isinstance(tp_rows[0][k], (list, dict))])
     if server_rows:

@@ -45,7 +45,7 @@ from fastdeploy.worker.sequence_state import WorkerSequence
 from fastdeploy.worker.startup_timing import StartupTimes
 from fastdeploy.worker.step_output import StepOutput
 from fastdeploy.worker.tp_startup import PlanChannel, start_tensor_parallel
-from fastdeploy.worker.warmup import start_sampler_compile, wait_sampler_compile, warm_up_sampler
+from fastdeploy.worker.warmup import PendingSampler, SamplerWarmUp, start_sampler_compile, warmed_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,14 @@ class ModelRunner:
                                             self.model_config.vocab_size, list(self.model_config.eos_token_ids),
                                             config.grammar_compile_timeout_s, config.grammar_cache_mb * 1024 * 1024,
                                             config.reasoning_parser, backend=config.guided_decoding_backend)
+        # The Triton kept-set path while it still compiles (a fresh machine): the worker serves on
+        # the torch path meanwhile, and `launch` switches once it is ready.
+        self._pending_sampler: PendingSampler | None = None
         if rank == 0:  # the rank that samples
             with times.phase("sampler warm-up"):
-                wait_sampler_compile(compiling)
-                warm_up_sampler(self.sampler, self.model_config.vocab_size, self.device,
-                                self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
+                warm_up = SamplerWarmUp(self.model_config.vocab_size, self.device,
+                                        self.config.enable_keep_sampling_mask, self.config.logprobs_mode)
+                self.sampler, self._pending_sampler = warmed_up_sampler(compiling, warm_up)
         logger.info("rank %d: %s", rank, times.summary())
 
     @property
@@ -162,6 +165,8 @@ class ModelRunner:
         this step's sampled tokens, read on the device.
         """
         self.after_frame()
+        if self._pending_sampler is not None:
+            self._take_compiled_sampler(self._pending_sampler)
         if self._after_frame_error is not None:
             error, self._after_frame_error = self._after_frame_error, None
             raise RuntimeError("the last step's drafting failed") from error
@@ -176,6 +181,16 @@ class ModelRunner:
         launched = self._launch_chunks(step, events, predecessor, self._latest)
         self._latest = launched
         return launched
+
+    def _take_compiled_sampler(self, pending: PendingSampler) -> None:
+        """Switches to the Triton kept-set sampler once it has compiled. Between steps: a step's
+        `leaves_unsettled` and its draw come from one sampler; a step still in flight (drawn on
+        the torch path, every set settled) needs no redraw."""
+        compiled = pending.poll()
+        if compiled is not None:
+            self.sampler = compiled
+        if compiled is not None or pending.given_up:
+            self._pending_sampler = None
 
     def _launch_chunks(self, step: StepInput, events: WorkerEvents, predecessor: SampledTokens | None,
                        ahead: InFlightStep | None = None) -> InFlightStep:

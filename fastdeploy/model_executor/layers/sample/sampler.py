@@ -150,12 +150,14 @@ class Sampler:
 
     ``Sampler(device)(logits, meta)``: logits float32 [B, V] (not modified), meta a
     SamplingMetadata for those B rows. Returns SamplerOutput. A sampler serves one device: its
-    kept-set backend is chosen from ``device`` here, or from the first call's logits where no
-    device is given.
+    kept-set backend is ``kept_sets`` where given, else chosen from ``device`` here, or from the
+    first call's logits where no device is given.
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self._kept_sets = kept_set_backend(torch.device(device)) if device is not None else None
+    def __init__(self, device: torch.device | str | None = None, kept_sets: KeptSetBackend | None = None) -> None:
+        if kept_sets is None and device is not None:
+            kept_sets = kept_set_backend(torch.device(device))
+        self._kept_sets = kept_sets
 
     @property
     def leaves_unsettled(self) -> bool:
