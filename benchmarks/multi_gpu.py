@@ -19,7 +19,8 @@
    --dp-backend picks Ray (default) or mp for the DP rows. Output tok/s of each; the ratios
    DP=2 / one replica and TP=2 / TP=1; the CPU share of each server process during each load
    (API server, engines, workers; an engine under Ray is not the API server's descendant, so
-   under Ray only the API server's share is known). --profile-dir: py-spy records every server
+   under Ray only the API server's share is known), and each replica's running and waiting
+   sequences sampled from /metrics every 0.2 s. --profile-dir: py-spy records every server
    process during the streamed loads of the servers named by --profile-servers.
 
 Targets (issue: two-GPU scaling): DP=2 aggregate >= 1.9x one replica; TP=2 >= 1.6x at batch 64
@@ -36,8 +37,10 @@ import multiprocessing as mp
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -139,6 +142,41 @@ def start_profile(servers: list[Server], directory: str, name: str) -> list[subp
             for i, server in enumerate(servers)]
 
 
+class ReplicaWatch:
+    """Each server's per-replica running and waiting sequences (its /metrics gauges) every
+    `period_s` during a load, on a thread: whether a replica ran short of work or queued."""
+
+    def __init__(self, servers: list[Server], period_s: float = 0.2) -> None:
+        self.servers, self.period_s = servers, period_s
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ReplicaWatch:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.wait(self.period_s):
+                sample: dict[str, Any] = {"t": round(time.perf_counter() - self._started, 2)}
+                for i, server in enumerate(self.servers):
+                    with contextlib.suppress(httpx.HTTPError):
+                        for line in client.get(server.base + "/metrics").text.splitlines():
+                            for gauge, short in (("fastdeploy_num_requests_running", "running"),
+                                                 ("fastdeploy_num_requests_waiting", "waiting")):
+                                if line.startswith(gauge):
+                                    name, value = line.rsplit(" ", 1)
+                                    replica = name.split('replica="')[1].split('"')[0] if "replica=" in name else "0"
+                                    sample[f"s{i}.r{replica}.{short}"] = float(value)
+                self.samples.append(sample)
+
+
 def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, stream: bool, processes: int,
          profile: tuple[str, str] | None = None) -> dict:
     """`clients` concurrent clients per server, spread over `processes` client processes per server,
@@ -159,7 +197,8 @@ def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, 
     profilers = start_profile(servers, *profile) if profile else []
     cpu_start = cpu_seconds(roles)
     wall_start = time.perf_counter()
-    rows = [results.get(timeout=1800) for _ in procs]
+    with ReplicaWatch(servers) as watch:
+        rows = [results.get(timeout=1800) for _ in procs]
     wall = time.perf_counter() - wall_start
     cpu_end = cpu_seconds(roles)
     for profiler in profilers:
@@ -171,7 +210,18 @@ def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, 
     span = max(r[2] for r in rows) - min(r[1] for r in rows)
     shares_by_role = {role: round((cpu_end[role] - cpu_start[role]) / wall, 3) for role in cpu_end if role in cpu_start}
     return {"tokens": tokens, "wall_s": span, "tok_s": tokens / span,
-            "api_cpu_share": shares_by_role.get("s0.api", float("nan")), "cpu_share": shares_by_role}
+            "api_cpu_share": shares_by_role.get("s0.api", float("nan")), "cpu_share": shares_by_role,
+            "replica_samples": watch.samples, "replica_summary": replica_summary(watch.samples)}
+
+
+def replica_summary(samples: list[dict[str, Any]]) -> dict[str, str]:
+    """gauge -> "mean / max" over the load's samples."""
+    keys = sorted({k for sample in samples for k in sample if k != "t"})
+    out = {}
+    for key in keys:
+        values = [sample[key] for sample in samples if key in sample]
+        out[key] = f"{sum(values) / len(values):.1f} / {max(values):.0f}"
+    return out
 
 
 def server_run(args: argparse.Namespace, name: str, extra: list[str], clients: int, copies: int = 1) -> list[dict]:
@@ -192,14 +242,16 @@ def server_run(args: argparse.Namespace, name: str, extra: list[str], clients: i
         for copy, server in enumerate(servers):
             server.start(os.path.join(RESULTS_DIR, "logs", f"{args.name}-{name}-{copy}.log"), timeout_s=1200)
         load(servers, clients, 1, 8, True, args.client_processes)  # every batch size compiled first
-        for mode in args.modes:
-            profile = ((args.profile_dir, f"{args.name}_{name}_{mode}")
-                       if args.profile_dir and name in args.profile_servers else None)
-            row = load(servers, clients, args.server_requests, args.server_tokens, mode == "stream",
-                       args.client_processes, profile)
-            rows.append({"server": name, "mode": mode, "clients": clients * copies,
-                         "dp_backend": args.dp_backend if "--data-parallel-size" in extra else None, **row})
-            print(f"{name} {mode}: {row['tok_s']:.0f} tok/s, CPU shares {row['cpu_share']}", flush=True)
+        for repeat in range(args.repeats):
+            for mode in args.modes:
+                profile = ((args.profile_dir, f"{args.name}_{name}_{mode}")
+                           if args.profile_dir and name in args.profile_servers and repeat == 0 else None)
+                row = load(servers, clients, args.server_requests, args.server_tokens, mode == "stream",
+                           args.client_processes, profile)
+                rows.append({"server": name, "mode": mode, "repeat": repeat, "clients": clients * copies,
+                             "dp_backend": args.dp_backend if "--data-parallel-size" in extra else None, **row})
+                print(f"{name} {mode}: {row['tok_s']:.0f} tok/s, CPU shares {row['cpu_share']}, "
+                      f"running / waiting (mean / max) {row['replica_summary']}", flush=True)
     finally:
         for server in servers:
             server.stop()
@@ -240,6 +292,7 @@ def main() -> None:
     ap.add_argument("--client-processes", type=int, default=8, help="processes the clients are spread over")
     ap.add_argument("--dp-double-load", action="store_true",
                     help="also DP=2 under twice the clients (each replica as loaded as the one replica)")
+    ap.add_argument("--repeats", type=int, default=1, help="loads of each mode per server (the ratios: medians)")
     ap.add_argument("--pair", action="store_true",
                     help="also two separate one-replica servers (GPU 0, GPU 1) loaded at once, --clients each")
     ap.add_argument("--dp-backend", choices=["ray", "mp"], default="ray", help="the DP rows' replica backend")
@@ -280,7 +333,8 @@ def main() -> None:
                                "server": server_rows, "summary": summary})
         server_rows.extend(server_run(args, name, extra, clients, copies))
     for mode in [] if args.skip_servers else args.modes:
-        tok_s = {r["server"]: r["tok_s"] for r in server_rows if r["mode"] == mode}
+        tok_s = {name: statistics.median(r["tok_s"] for r in server_rows if r["mode"] == mode and r["server"] == name)
+                 for name in {r["server"] for r in server_rows}}
         for name in ("dp2", "dp2_double_load", "two_servers", "tp2"):
             if name in tok_s and "one_replica" in tok_s:
                 summary[f"server_{mode}_{name}_over_{'tp1' if name == 'tp2' else 'one'}"] = (
@@ -288,7 +342,7 @@ def main() -> None:
     if tp_rows:
         print_table(tp_rows, [k for k in tp_rows[0] if not isinstance(tp_rows[0][k], (list, dict))])
     if server_rows:
-        print_table(server_rows, ["server", "mode", "tokens", "wall_s", "tok_s", "api_cpu_share"])
+        print_table(server_rows, ["server", "mode", "repeat", "tokens", "wall_s", "tok_s", "api_cpu_share"])
     print({k: round(v, 3) for k, v in summary.items()})
     path = write_json(args.name, {"machine": info, "args": vars(args), "in_process_tp": tp_rows,
                                   "server": server_rows, "summary": summary})

@@ -2,10 +2,14 @@
 
 Each replica is a whole engine (its own engine core, worker processes and KV pool) reached
 through its own `AsyncEngineClient`. `ReplicaSet` offers the API server the same surface as
-one client. A request goes to the live replica with the fewest outstanding tokens (prompt
-tokens not yet computed plus tokens still to generate); among replicas within one request's
-size of that minimum, one that recently served the same prompt start is preferred, since its
-prefix cache holds it. A replica whose engine dies is seen by its client within a poll
+one client. A request goes to a live replica where it gets a batch slot soonest: one with
+fewer requests in flight than --max-num-seqs starts it at once, and a full one when the
+request ahead of it there ends (a request sent to a full replica while another has a free
+slot waits a whole answer's length, and at the end of a load one replica then runs that tail
+while the other idles). Among those, the one with the fewest outstanding tokens (prompt tokens
+not yet computed plus tokens still to generate); among replicas within one request's size of
+that minimum, one that recently served the same prompt start is preferred, since its prefix
+cache holds it. A replica whose engine dies is seen by its client within a poll
 (100 ms); its in-flight requests that have streamed nothing yet are sent to another replica,
 the others end with an error, and the replica is started again in the background while the
 rest keep serving.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import logging
 from array import array
 from collections import OrderedDict
@@ -187,21 +192,33 @@ class ReplicaSet:
     def _cost(request: EngineRequest) -> int:
         return len(request.prompt_token_ids) + (request.params.max_tokens or 0)
 
+    def slot_wait(self, replica: Replica) -> int:
+        """Tokens a new request would wait for a batch slot on `replica`: none while fewer
+        requests than --max-num-seqs are in flight there; else the tokens left of the in-flight
+        request whose end frees its slot (the requests already waiting take the earlier ones)."""
+        ahead = len(replica.outstanding) - self.config.scheduler.max_num_seqs
+        if ahead < 0:
+            return 0
+        return heapq.nsmallest(ahead + 1, replica.outstanding.values())[-1]
+
     def pick(self, request: EngineRequest, exclude: frozenset[int] = frozenset()) -> Replica:
         live = [r for r in self.replicas if r.live and r.index not in exclude]
         if not live:
             raise EngineDeadError(self.dead_reason or "no live replica")
-        least = min(r.load for r in live)
-        key = affinity_key(request.prompt_token_ids)
-        preferred = self._affinity.get(key)
         # The same prompt in flight (the samples of an n > 1 request) goes where it is: the
         # group shares its blocks there; groups, not samples, are what the load balances.
         group = self._in_flight.get(prompt_key(request.prompt_token_ids))
         chosen = next((r for r in live if group is not None and r.index == group[0]), None)
+        waits = {r.index: self.slot_wait(r) for r in live}
+        soonest = min(waits.values())
+        ready = [r for r in live if waits[r.index] == soonest]
+        least = min(r.load for r in ready)
+        key = affinity_key(request.prompt_token_ids)
+        preferred = self._affinity.get(key)
         if chosen is None:
-            chosen = next((r for r in live if r.index == preferred and r.load <= least + self._cost(request)), None)
+            chosen = next((r for r in ready if r.index == preferred and r.load <= least + self._cost(request)), None)
         if chosen is None:
-            chosen = min(live, key=lambda r: (r.load, r.index))
+            chosen = min(ready, key=lambda r: (r.load, r.index))
         self._affinity[key] = chosen.index
         self._affinity.move_to_end(key)
         if len(self._affinity) > AFFINITY_ENTRIES:

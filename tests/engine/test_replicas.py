@@ -81,6 +81,36 @@ def test_prefix_affinity_keeps_a_prompt_on_its_replica_unless_it_is_busier(confi
     assert replicas.pick(_request(2, shared + [3])) is not first
 
 
+def _routing_only(config: EngineConfig) -> ReplicaSet:
+    replicas = ReplicaSet(config, 2)  # not started: routing only
+    for r in replicas.replicas:
+        r.client.limits = object()  # marks the client healthy without an engine
+    return replicas
+
+
+def test_a_request_goes_where_a_batch_slot_is_free_before_where_fewer_tokens_are_left(config):
+    replicas = _routing_only(config)
+    full, free = replicas.replicas
+    slots = config.scheduler.max_num_seqs
+    full.outstanding.update({f"a{i}": 5 for i in range(slots)})  # every slot taken, few tokens left
+    free.outstanding.update({f"b{i}": 200 for i in range(3)})  # far more tokens left, slots free
+    assert full.load < free.load
+    assert replicas.slot_wait(full) == 5 and replicas.slot_wait(free) == 0
+    assert replicas.pick(_request(0, [1, 2, 3])) is free
+
+
+def test_with_every_slot_taken_a_request_goes_where_one_frees_first(config):
+    replicas = _routing_only(config)
+    first, second = replicas.replicas
+    slots = config.scheduler.max_num_seqs
+    first.outstanding.update({f"a{i}": 100 for i in range(slots)})
+    # More tokens in all, but one of its requests ends after 10 and a waiting one is ahead of
+    # the new request: the new one gets the slot freed second, after 40 tokens.
+    second.outstanding.update({"b0": 10, "b1": 40, **{f"b{i}": 500 for i in range(2, slots + 1)}})
+    assert replicas.slot_wait(first) == 100 and replicas.slot_wait(second) == 40
+    assert replicas.pick(_request(0, [1, 2, 3])) is second
+
+
 def test_each_cuda_replica_sees_its_own_gpus(config):
     import dataclasses
     cuda = dataclasses.replace(config, device="cuda", tensor_parallel_size=2)
