@@ -32,6 +32,7 @@ from fastdeploy.common.request import (
     RequestDelta,
 )
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
+from fastdeploy.engine.delta_inbox import DeltaInbox
 from fastdeploy.engine.engine_launch import run_engine_process
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class AsyncEngineClient:
         self.spec_decode: SpecDecodeStats | None = None
         self.prefix_cache_queries = 0  # tokens since start
         self.prefix_cache_hits = 0
-        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._inboxes: dict[str, DeltaInbox] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._output_task: asyncio.Task | None = None
@@ -202,8 +203,8 @@ class AsyncEngineClient:
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(RequestDelta(request_id, [], finish_reason="error", error=reason))
+        for request_id, inbox in self._inboxes.items():
+            inbox.put(RequestDelta(request_id, [], finish_reason="error", error=reason))
 
     async def _route_outputs(self) -> None:
         engine = self.engine
@@ -218,29 +219,32 @@ class AsyncEngineClient:
                     self.prefix_cache_queries = message.prefix_cache_queries
                     self.prefix_cache_hits = message.prefix_cache_hits
                     for delta in message.deltas:
-                        queue = self._queues.get(delta.request_id)
-                        if queue is not None:
-                            queue.put_nowait(delta)
+                        inbox = self._inboxes.get(delta.request_id)
+                        if inbox is not None:
+                            inbox.put(delta)
                 elif isinstance(message, EngineDead):
                     self._fail_all(f"engine stopped: {message.message}")
             elif not engine.alive():
                 self._fail_all("engine process exited")
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestDelta, None]:
-        """Yield the request's deltas until it finishes; abort it if the caller stops listening."""
+        """Yield the request's deltas until it finishes; abort it if the caller stops listening.
+        Deltas that arrived while the caller was busy come merged (`DeltaInbox`)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        inbox = DeltaInbox()
+        self._inboxes[request.request_id] = inbox
         finished = False
         try:
             await self.in_sock.send(self._encoder.encode(AddRequest(request)))
             while not finished:
-                delta = await queue.get()
-                finished = delta.finish_reason is not None
-                yield delta
+                for delta in await inbox.take():
+                    finished = delta.finish_reason is not None
+                    yield delta
+                    if finished:
+                        break
         finally:
-            del self._queues[request.request_id]
+            del self._inboxes[request.request_id]
             if not finished and self.dead_reason is None:
                 await self.abort([request.request_id])
 
