@@ -631,7 +631,10 @@ def part_ready(run: Run, out: PartOutput) -> None:
         if timeout <= 0:
             raise TimeoutError("the time budget is spent")
         cache_files = triton_cache_files() if run.cuda else None
-        result = one_start(serve_args, run.log_path(f"ready-{label}-{len(starts) + 1}"), timeout)
+        # A start that began on the torch kept-set path stays up until it switches, so the next
+        # start finds the kernels in Triton's cache (a machine that has started it before).
+        result = one_start(serve_args, run.log_path(f"ready-{label}-{len(starts) + 1}"), timeout,
+                           settle_s=min(120.0, max(0.0, run.timeout(args.start_timeout) - 60.0)))
         starts.append({"server": label, "args": serve_args, "triton_cache_files_before": cache_files, **result})
         out.details["starts"] = starts
         if result["ready_s"] is None:

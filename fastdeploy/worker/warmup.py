@@ -54,7 +54,7 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device, wit
 SAMPLER_COMPILE_TIMEOUT_S = 600.0
 # How long the warm-up waits for them before serving without them: Triton finds kernels it
 # compiled before in its cache within this time; a fresh compile takes far longer.
-CACHED_COMPILE_WAIT_S = 5.0
+CACHED_COMPILE_WAIT_S = 2.0
 
 
 def start_sampler_compile(vocab_size: int, device: torch.device) -> list[Future]:
@@ -139,5 +139,6 @@ def warmed_up_sampler(compiling: list[Future], warm_up: SamplerWarmUp) -> tuple[
     else:
         sampler = Sampler(warm_up.device, kept_sets=TorchKeptSetBackend())
         pending = PendingSampler(compiling, warm_up)
+        logger.info("the kept set's Triton kernels are still compiling: sampling starts on the torch path")
     warm_up.run(sampler)
     return sampler, pending
