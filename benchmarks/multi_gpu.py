@@ -103,7 +103,11 @@ def _client_process(base: str, model: str, client_ids: list[int], per_client: in
                     barrier: Any, results: Any) -> None:
     barrier.wait()
     start = time.perf_counter()
-    tokens = asyncio.run(client_share(base, model, client_ids, per_client, max_tokens, stream))
+    try:
+        tokens = asyncio.run(client_share(base, model, client_ids, per_client, max_tokens, stream))
+    except Exception as exc:  # noqa: BLE001 - the parent raises it (it would otherwise wait for a result)
+        results.put(repr(exc))
+        return
     results.put((tokens, start, time.perf_counter()))
 
 
@@ -199,6 +203,9 @@ def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, 
     wall_start = time.perf_counter()
     with ReplicaWatch(servers) as watch:
         rows = [results.get(timeout=1800) for _ in procs]
+    failed = [row for row in rows if isinstance(row, str)]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
     wall = time.perf_counter() - wall_start
     cpu_end = cpu_seconds(roles)
     for profiler in profilers:
