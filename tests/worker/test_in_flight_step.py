@@ -81,3 +81,30 @@ def test_step_without_chunks_is_finished_at_launch(model_dir) -> None:
 
 def test_host_runner_packs_with_the_built_op(model_dir) -> None:
     assert isinstance(_runner(model_dir).packer, CpuOpPacker)
+
+
+def test_the_runner_switches_samplers_between_steps_once_the_compile_is_done(model_dir, monkeypatch) -> None:
+    """The runner's own wiring of `PendingSampler`: started while the (stand-in) compile runs, it
+    serves on the torch path, switches in the first launch after the compile is done, and its
+    frames (seeded draws, masks, logprobs) are those of a runner that never waited."""
+    from fastdeploy.worker import model_runner, warmup
+    from tests.engine.test_sampler_warm_up import BackgroundJob
+
+    job = BackgroundJob()
+    monkeypatch.setattr(model_runner, "start_sampler_compile", lambda vocab_size, device: [job.future])
+    monkeypatch.setattr(warmup, "CACHED_COMPILE_WAIT_S", 0.05)
+    runner = _runner(model_dir)
+    first = runner.sampler
+    assert runner._pending_sampler is not None
+    frames = _run(runner, halves=True, num_steps=2)
+    assert runner.sampler is first  # still compiling: no switch
+    job.finish()
+    last: list[int] = [r.token_ids[-1] for r in split_by_sequence(unpack_step_frame(frames[-1]))]
+    for n in range(2, 4):
+        output = runner.execute(_step(n, last))
+        output.wait_mask_ids()
+        frames.append(bytes(output.frame))
+        last = [r.token_ids[-1] for r in split_by_sequence(unpack_step_frame(output.frame))]
+    assert runner.sampler is not first and runner._pending_sampler is None
+    monkeypatch.undo()
+    assert frames == _run(_runner(model_dir), halves=True, num_steps=4)
