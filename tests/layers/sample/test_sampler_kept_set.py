@@ -172,3 +172,23 @@ def test_kept_set_backend_is_chosen_from_the_device():
         outs.append(sampler(logits, make_meta(4, top_p=0.9, top_k=[0, 20, 0, 5], return_sampling_mask=True)))
     assert torch.equal(outs[0].sampled_token_ids, outs[1].sampled_token_ids)
     assert [csr_row(outs[0], r) for r in range(4)] == [csr_row(outs[1], r) for r in range(4)]
+
+
+def test_sorted_and_dense_csr_list_the_same_kept_sets(monkeypatch):
+    """Narrow windows list their kept ids by sorting the window, wide ones through a dense flag
+    array: forced through the dense path, every batch gives the same CSR and logz."""
+    from fastdeploy.model_executor.layers.sample import kept_set_torch
+
+    rng = np.random.default_rng(7)
+    for v in (1000, 49152):
+        logits, meta = _random_batch(rng, 32, v, with_bitmask=False)
+        meta.temperature[:4] = 0.0  # greedy rows list their token
+        sorted_out = Sampler()(logits, meta)
+        monkeypatch.setattr(kept_set_torch, "SORTED_CSR_MAX_WINDOW", 0)
+        dense_out = Sampler()(logits, meta)
+        monkeypatch.undo()
+        assert torch.equal(sorted_out.mask_offsets, dense_out.mask_offsets)
+        assert torch.equal(sorted_out.mask_ids[:int(sorted_out.mask_offsets[-1])],
+                           dense_out.mask_ids[:int(dense_out.mask_offsets[-1])])
+        assert torch.equal(sorted_out.logz, dense_out.logz)
+        assert int(sorted_out.mask_offsets[-1]) > 0
