@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -224,6 +225,35 @@ def tree_rss_mb(pid: int) -> float:
         except psutil.NoSuchProcess:
             pass
     return total / 2**20
+
+
+def engine_processes(pid: int) -> list[tuple[Any, list[Any]]]:
+    """The engines under the `fastdeploy serve` process `pid` (psutil processes) with each one's
+    workers: spawned children that start processes of their own (the multiprocessing resource
+    tracker starts none; a local Ray's processes are not spawned by multiprocessing)."""
+    import psutil
+
+    engines = []
+    for child in psutil.Process(pid).children():
+        try:
+            if child.children() and "spawn_main" in " ".join(child.cmdline()):
+                engines.append((child, child.children()))
+        except psutil.Error:
+            pass
+    return engines
+
+
+def start_py_spy(pid: int, path: str, rate: int) -> subprocess.Popen:
+    """py-spy recording process `pid` and its children to `path` (raw format) without pausing
+    them (--nonblocking), waits included (--idle); `stop_py_spy` ends it."""
+    return subprocess.Popen(["py-spy", "record", "--nonblocking", "--idle", "--subprocesses", "--rate", str(rate),
+                             "--format", "raw", "--output", path, "--pid", str(pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def stop_py_spy(profiler: subprocess.Popen) -> None:
+    profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    profiler.wait(timeout=60)
 
 
 # Kernel families of a decode step, matched in this order against the lower-cased kernel name.

@@ -36,7 +36,6 @@ import json
 import multiprocessing as mp
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,12 +50,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
+    engine_processes,
     free_port,
     machine_info,
     png_path,
     print_machine,
     print_table,
     pyplot,
+    start_py_spy,
+    stop_py_spy,
     write_json,
 )
 from benchmarks.serving import TOPICS, Server  # noqa: E402
@@ -112,18 +114,13 @@ def _client_process(base: str, model: str, client_ids: list[int], per_client: in
 
 
 def server_processes(servers: list[Server]) -> dict[str, psutil.Process]:
-    """role -> process: each server's API process and its descendants that run Python (engines:
-    a process with children; workers: their children). Roles carry the server's index."""
+    """role -> process: each server's API process, engines and workers; roles carry the server's index."""
     roles: dict[str, psutil.Process] = {}
     for s_index, server in enumerate(servers):
-        root = psutil.Process(server.proc.pid)
-        roles[f"s{s_index}.api"] = root
-        # Engines are spawned processes that start workers (the resource tracker starts none; Ray's
-        # own processes are not spawned by multiprocessing).
-        engines = [c for c in root.children() if c.children() and "spawn_main" in " ".join(c.cmdline())]
-        for e_index, engine in enumerate(engines):
+        roles[f"s{s_index}.api"] = psutil.Process(server.proc.pid)
+        for e_index, (engine, workers) in enumerate(engine_processes(server.proc.pid)):
             roles[f"s{s_index}.engine{e_index}"] = engine
-            for w_index, worker in enumerate(engine.children()):
+            for w_index, worker in enumerate(workers):
                 roles[f"s{s_index}.engine{e_index}.worker{w_index}"] = worker
     return roles
 
@@ -138,11 +135,8 @@ def cpu_seconds(roles: dict[str, psutil.Process]) -> dict[str, float]:
 
 
 def start_profile(servers: list[Server], directory: str, name: str) -> list[subprocess.Popen]:
-    """py-spy over each server's processes, without pausing them; waits included (--idle)."""
     os.makedirs(directory, exist_ok=True)
-    return [subprocess.Popen(["py-spy", "record", "--nonblocking", "--idle", "--subprocesses", "--rate", "50",
-                              "--format", "raw", "--output", os.path.join(directory, f"{name}_s{i}.txt"),
-                              "--pid", str(server.proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return [start_py_spy(server.proc.pid, os.path.join(directory, f"{name}_s{i}.txt"), rate=50)
             for i, server in enumerate(servers)]
 
 
@@ -209,8 +203,7 @@ def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, 
     wall = time.perf_counter() - wall_start
     cpu_end = cpu_seconds(roles)
     for profiler in profilers:
-        profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        profiler.wait(timeout=60)
+        stop_py_spy(profiler)
     for proc in procs:
         proc.join(timeout=30)
     tokens = sum(r[0] for r in rows)

@@ -47,8 +47,6 @@ import json
 import multiprocessing
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -63,11 +61,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
+    engine_processes,
     machine_info,
     png_path,
     print_machine,
     print_table,
     pyplot,
+    start_py_spy,
+    stop_py_spy,
     tree_rss_mb,
     write_json,
 )
@@ -99,13 +100,11 @@ def server_rss_mb(server: Server) -> float:
 
 def process_cpu_s(server: Server) -> dict[str, float]:
     """CPU seconds (user + system) so far of the API server, the engine and the worker(s)."""
-    root = psutil.Process(server.proc.pid)
-    roles = {"api": root}
-    for child in root.children():
-        if child.children():  # the engine process starts the worker(s); the resource tracker starts none
-            roles["engine"] = child
-            for i, worker in enumerate(child.children()):
-                roles["worker" if i == 0 else f"worker{i}"] = worker
+    roles = {"api": psutil.Process(server.proc.pid)}
+    for engine, workers in engine_processes(server.proc.pid):
+        roles["engine"] = engine
+        for i, worker in enumerate(workers):
+            roles["worker" if i == 0 else f"worker{i}"] = worker
     out = {}
     for role, proc in roles.items():
         times = proc.cpu_times()
@@ -279,29 +278,17 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def start_profile(server: Server, path: str) -> subprocess.Popen:
-    """py-spy over the server and its children, without pausing them (--nonblocking), waits included."""
-    cmd = ["py-spy", "record", "--nonblocking", "--idle", "--subprocesses", "--rate", "100", "--format", "raw",
-           "--output", path, "--pid", str(server.proc.pid)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-
-def stop_profile(profiler: subprocess.Popen) -> None:
-    profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-    profiler.wait(timeout=60)
-
-
 def measure(server: Server, case: str, fmt: str | None, args: argparse.Namespace, profile_path: str | None = None
             ) -> dict:
     """One timed run of the load against one server, with what it cost each process."""
     cpu_before = process_cpu_s(server)
-    profiler = start_profile(server, profile_path) if profile_path else None
+    profiler = start_py_spy(server.proc.pid, profile_path, rate=100) if profile_path else None
     try:
         result = run_load(server, case, fmt, args.clients, args.requests_per_client, args.max_tokens,
                           vocab_size=args.vocab_size, client_procs=args.client_procs)
     finally:
         if profiler is not None:
-            stop_profile(profiler)
+            stop_py_spy(profiler)
     cpu_after = process_cpu_s(server)
     if result.errors:
         print(f"{case} {fmt}: {len(result.errors)} errors, first: {result.errors[0]}")

@@ -209,16 +209,16 @@ class ReplicaSet:
         # group shares its blocks there; groups, not samples, are what the load balances.
         group = self._in_flight.get(prompt_key(request.prompt_token_ids))
         chosen = next((r for r in live if group is not None and r.index == group[0]), None)
-        waits = {r.index: self.slot_wait(r) for r in live}
-        soonest = min(waits.values())
-        ready = [r for r in live if waits[r.index] == soonest]
-        least = min(r.load for r in ready)
         key = affinity_key(request.prompt_token_ids)
-        preferred = self._affinity.get(key)
         if chosen is None:
+            waits = {r.index: self.slot_wait(r) for r in live}
+            soonest = min(waits.values())
+            ready = [r for r in live if waits[r.index] == soonest]
+            least = min(r.load for r in ready)
+            preferred = self._affinity.get(key)
             chosen = next((r for r in ready if r.index == preferred and r.load <= least + self._cost(request)), None)
-        if chosen is None:
-            chosen = min(ready, key=lambda r: (r.load, r.index))
+            if chosen is None:
+                chosen = min(ready, key=lambda r: (r.load, r.index))
         self._affinity[key] = chosen.index
         self._affinity.move_to_end(key)
         if len(self._affinity) > AFFINITY_ENTRIES:
