@@ -66,6 +66,9 @@ class InFlightStep:
     sampling: QueuedSampling | None = None
     # A step that samples nothing is finished at launch; one finished early keeps its output here.
     finished: StepOutput | None = None
+    # The worker process has sent its frame (or its failure): once per step, maybe before the
+    # launch of the step behind it returned (`ModelRunner.on_finished_early`).
+    replied: bool = False
 
     @property
     def unfinished(self) -> bool:

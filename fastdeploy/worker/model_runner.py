@@ -127,6 +127,10 @@ class ModelRunner:
         self._after_frame: Callable[[], None] | None = None
         self._after_frame_error: BaseException | None = None
         self._next_draft_cap: int | None = None  # drafts the step after the running one may take
+        # Called with a step finished early, inside the launch of the step behind it (a grammar
+        # or a penalty reads its tokens): the worker process sends its frame from there, so the
+        # engine takes it in while this rank still fills bitmasks and launches the sampler.
+        self.on_finished_early: Callable[[InFlightStep], None] | None = None
         self.guided: GuidedRuntime | None = None
         if config.guided_decoding_backend != "off":
             with times.phase("grammar runtime"):
@@ -235,6 +239,8 @@ class ModelRunner:
             # A grammar to advance or a penalty history to extend: the step ahead is finished
             # now, while the device runs this step's forward pass, instead of after it.
             ahead.finished = self.finish(ahead)
+            if self.on_finished_early is not None:
+                self.on_finished_early(ahead)
             redraw, self._redrawn_ahead = self._redrawn_ahead, None
             if redraw is not None and any(seq_id in redraw[1] for _, seq_id in in_flight):
                 # The forward pass read a token that was drawn again: run it again (rare). The

@@ -70,8 +70,11 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
     decoder = msgspec.msgpack.Decoder(StepInput)
     encoder = msgspec.msgpack.Encoder()
 
-    def reply(launched: InFlightStep) -> None:
+    def send_frame(launched: InFlightStep) -> None:
         """Finish a launched step and send its frame (or its failure): one message per step."""
+        if launched.replied:
+            return
+        launched.replied = True
         try:
             output = runner.finish(launched)
             output.wait_mask_ids()  # one message per step: the whole frame goes at once
@@ -81,7 +84,14 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
             return
         sock.send_multipart([FRAME, output.frame, encoder.encode(output.events),
                              *encode_mask_bits(output.mask_bits)], copy=False)
+
+    def reply(launched: InFlightStep) -> None:
+        send_frame(launched)
         runner.after_frame()  # drafting for the next step, while the engine takes in this one
+
+    # A step finished inside the next one's launch goes out at once; the engine takes it in
+    # while this process fills the next step's bitmasks and launches its sampler.
+    runner.on_finished_early = send_frame
 
     # A step sent `followed`: its frame goes out once the next step is launched behind it.
     owed: InFlightStep | None = None

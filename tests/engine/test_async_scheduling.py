@@ -182,12 +182,15 @@ def test_a_penalised_request_pipelines_too(model_dir, device) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_worker_process_overlaps_steps_too(model_dir, device) -> None:
-    """The server's layout: the worker launches the step sent ahead before it sends the frame owed."""
+@pytest.mark.parametrize("penalised", [False, True], ids=["sent-after-launch", "sent-inside-launch"])
+def test_the_worker_process_overlaps_steps_too(model_dir, device, penalised) -> None:
+    """The server's layout: the worker launches the step sent ahead before it sends the frame owed;
+    a penalised row has that frame finished, and sent, inside the launch."""
+    extra = {"repetition_penalty": 1.3, "frequency_penalty": 0.5} if penalised else None
     off = _config(model_dir, "off", device=device)
-    plain = _run(EngineCore(off, InProcessExecutor(off)), _requests())
+    plain = _run(EngineCore(off, InProcessExecutor(off)), _requests(extra))
     config = _config(model_dir, "on", device=device)
-    pipelined = _run(EngineCore(config, WorkerProcessExecutor(config, make_ipc_dir())), _requests())
+    pipelined = _run(EngineCore(config, WorkerProcessExecutor(config, make_ipc_dir())), _requests(extra))
     _assert_same(pipelined, plain)
 
 

@@ -12,7 +12,7 @@ import pytest
 from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.common.step_frame import split_by_sequence, unpack_step_frame
-from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput
+from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput, NewSequence, StepInput
 from fastdeploy.ops.step_packer import CpuOpPacker
 from fastdeploy.worker.in_flight_step import InFlightStep
 from fastdeploy.worker.model_runner import ModelRunner
@@ -108,3 +108,46 @@ def test_the_runner_switches_samplers_between_steps_once_the_compile_is_done(mod
     assert runner.sampler is not first and runner._pending_sampler is None
     monkeypatch.undo()
     assert frames == _run(_runner(model_dir), halves=True, num_steps=4)
+
+
+def test_a_step_finished_inside_the_next_launch_is_handed_out_there(model_dir) -> None:
+    """A penalised row reads its output so far: launching the step sent ahead finishes the step
+    before it early, and `on_finished_early` gets that step before the launch returns (the
+    worker process sends its frame from there). The frames are those of steps run in turn."""
+    penalised = [SamplingParams(top_p=0.9, seed=3, repetition_penalty=1.3), SamplingParams(temperature=0.0)]
+    news = [NewSequence(i, PROMPT[: 4 + i], p, return_sampling_mask=True) for i, p in enumerate(penalised)]
+
+    def step(n: int, last: list[int], followed: bool) -> StepInput:
+        if n == 0:
+            chunks = [ChunkInput(i, PROMPT[: 4 + i], 0, BLOCKS[i], True) for i in range(2)]
+            return StepInput(0, news, chunks, [], followed=followed)
+        return StepInput(n, [], [ChunkInput(i, [last[i]], 4 + i + n - 1, BLOCKS[i], True) for i in range(2)], [],
+                         followed=followed)
+
+    in_turn = _runner(model_dir)
+    want: list[bytes] = []
+    last: list[int] = []
+    for n in range(4):
+        output = in_turn.execute(step(n, last, followed=False))
+        output.wait_mask_ids()
+        want.append(bytes(output.frame))
+        last = [r.token_ids[-1] for r in split_by_sequence(unpack_step_frame(output.frame))]
+
+    runner = _runner(model_dir)
+    handed: list[tuple[InFlightStep, int]] = []
+    launches = 0
+    runner.on_finished_early = lambda ahead: handed.append((ahead, launches))
+    ahead = runner.launch(step(0, [], followed=True))
+    got: list[bytes] = []
+    for n in range(1, 4):
+        launches = n
+        behind = runner.launch(step(n, [IN_FLIGHT_TOKEN] * 2, followed=n < 3))
+        assert handed[-1] == (ahead, n), "the step ahead was handed out inside the launch behind it"
+        output = runner.finish(ahead)  # already finished: its output as handed out
+        output.wait_mask_ids()
+        got.append(bytes(output.frame))
+        ahead = behind
+    output = runner.finish(ahead)
+    output.wait_mask_ids()
+    got.append(bytes(output.frame))
+    assert got == want
