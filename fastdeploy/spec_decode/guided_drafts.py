@@ -23,20 +23,24 @@ def trim_drafts_to_grammar(states: dict[int, GuidedState], drafts: dict[int, lis
 
 
 def fill_draft_bitmasks(states: list[GuidedState | None], drafts: list[list[int]], vocab_size: int,
-                        pinned: bool = False) -> torch.Tensor | None:
+                        out: torch.Tensor | None = None) -> torch.Tensor | None:
     """int32 [R, ceil(V/32)] with one row per verified slot (1 + len(draft) per sequence).
 
     Slot i of a sequence is masked by the grammar state after its first i drafts: the
     matcher accepts the drafts one by one while filling, then rolls them all back, so it
     ends where it started. Drafts must already be grammar-valid (trim_drafts_to_grammar).
-    pinned: fill page-locked memory, ready for a non-blocking copy to the GPU.
+    out: a CPU buffer with at least R rows, any contents (e.g. `PinnedBitmasks`); its first R
+    rows are returned.
     """
     if all(s is None for s in states):
         return None
-    bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size, pinned)  # unconstrained rows: all ones
+    rows = sum(len(d) + 1 for d in drafts)
+    bitmask = allocate_bitmask(rows, vocab_size) if out is None else out[:rows]  # unconstrained rows: all ones
     row = 0
     for state, draft in zip(states, drafts, strict=True):
         if state is None:
+            if out is not None:
+                bitmask[row:row + len(draft) + 1].fill_(-1)
             row += len(draft) + 1
             continue
         for token in draft:

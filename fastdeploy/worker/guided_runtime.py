@@ -13,8 +13,9 @@ from fastdeploy.common.guided_spec import GuidedSpec
 from fastdeploy.common.step_input import WorkerEvents
 from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService, build_backend
 from fastdeploy.model_executor.guided_decoding.coverage import BACKEND_NAMES
-from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, fill_bitmasks
+from fastdeploy.model_executor.guided_decoding.matcher import GuidedState, PinnedBitmasks, fill_bitmasks
 from fastdeploy.reasoning import EndMarkerDetector, ReasoningParser, get_reasoning_parser
+from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class GuidedRuntime:
         self.states: dict[int, GuidedState] = {}
         # Compiled grammars of sequences still thinking: their rows are not masked yet.
         self._thinking: dict[int, _Thinking] = {}
+        self._pinned: PinnedBitmasks | None = None  # made on the first pinned fill (needs CUDA)
 
     @staticmethod
     def _build(model: str | None, vocab_size: int, stop_token_ids: list[int], backends: tuple[str, ...],
@@ -148,10 +150,21 @@ class GuidedRuntime:
         waiting for the GPU's queued work (the step fills this while the forward pass runs).
         """
         states = [self.states.get(s) for s in seq_ids]
-        out = None
-        if pinned and any(s is not None for s in states):
-            out = torch.empty(len(states), -(-self.vocab_size // 32), dtype=torch.int32, pin_memory=True)
+        out = self._pinned_rows(len(states)) if pinned and any(s is not None for s in states) else None
         return fill_bitmasks(states, self.vocab_size, out=out)
+
+    def draft_bitmask(self, seq_ids: list[int], slot_drafts: list[list[int]], pinned: bool = False
+                      ) -> torch.Tensor | None:
+        """`bitmask` for a verify step: one row per verified slot (spec_decode.guided_drafts)."""
+        states = [self.states.get(s) for s in seq_ids]
+        rows = sum(len(d) + 1 for d in slot_drafts)
+        out = self._pinned_rows(rows) if pinned and any(s is not None for s in states) else None
+        return fill_draft_bitmasks(states, slot_drafts, self.vocab_size, out=out)
+
+    def _pinned_rows(self, rows: int) -> torch.Tensor:
+        if self._pinned is None:
+            self._pinned = PinnedBitmasks(self.vocab_size)
+        return self._pinned.take(rows)
 
     def accept(self, seq_ids: list[int], runs: list[list[int]], events: WorkerEvents) -> list[int]:
         """Advance each sequence's matcher by its accepted tokens (one, or several with speculative

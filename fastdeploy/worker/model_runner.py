@@ -33,7 +33,7 @@ from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model, tokenizer_path
 from fastdeploy.ops.step_packer import PackedStep, StepPacker, choose_packer
-from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks, trim_drafts_to_grammar
+from fastdeploy.spec_decode.guided_drafts import trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.worker import input_prep, slot_layout
 from fastdeploy.worker.graph_capture import DecodeShape, capture_decode_graphs, uses_graphs
@@ -451,11 +451,11 @@ class ModelRunner:
         model; the pinned copy does not wait for the GPU either."""
         if self.guided is None:
             return None
+        pinned = self.device.type == "cuda"
         if drafted:
-            bitmask = fill_draft_bitmasks([self.guided.states.get(s) for s in seq_ids], slot_drafts,
-                                          self.model_config.vocab_size, pinned=self.device.type == "cuda")
+            bitmask = self.guided.draft_bitmask(seq_ids, slot_drafts, pinned=pinned)
         else:
-            bitmask = self.guided.bitmask(seq_ids, pinned=self.device.type == "cuda")
+            bitmask = self.guided.bitmask(seq_ids, pinned=pinned)
         if bitmask is None or self.device.type != "cuda":
             return bitmask
         return bitmask.to(self.device, non_blocking=True)

@@ -15,6 +15,7 @@ from fastdeploy.model_executor.guided_decoding import (
     apply_token_bitmask_inplace,
     fill_bitmasks,
 )
+from fastdeploy.spec_decode.guided_drafts import fill_draft_bitmasks
 
 EOS = 2
 SCHEMA = {
@@ -150,8 +151,10 @@ def test_fill_bitmasks_batch(compile_service):
     s.fill_bitmask(ref, 0)
     assert torch.equal(bm[1], ref[0]) and 0 < int((bm[1] != 0).sum()) < bm.shape[1]
     # Into a preallocated (reused, dirty) buffer.
-    out = torch.zeros(8, bm.shape[1], dtype=torch.int32)
+    out = torch.randint(-(2**31), 2**31 - 1, (8, bm.shape[1]), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(0))
     assert torch.equal(fill_bitmasks([None, s, None], vocab, out=out), bm)
+    assert torch.equal(fill_bitmasks([s, None, None], vocab, out=out), bm[[1, 0, 2]])
     # A terminated state allows exactly its stop token instead of raising.
     s3 = GuidedState(compile_service.compile(GuidedSpec("choice", '["0"]')))
     zero = [t for t in range(vocab) if allowed(fill_bitmasks([s3], vocab), 0, t)]
@@ -215,3 +218,18 @@ def test_apply_bitmask_paddle_zero_copy():
     logits2 = paddle.zeros([2, 70], dtype="float32")
     apply_token_bitmask_inplace(logits2, bitmask)
     assert (logits2.numpy() == logits.numpy()).all()
+
+
+def test_draft_bitmasks_into_a_dirty_buffer(compile_service):
+    """A verify step's rows (1 + drafts per sequence) filled into a reused buffer of any contents
+    equal a fresh fill: unconstrained rows all ones, the matcher back where it started."""
+    vocab = compile_service.vocab_size
+    s = GuidedState(compile_service.compile(GuidedSpec("regex", "[0-9]+")))
+    digits = [t for t in range(vocab) if allowed(fill_bitmasks([s], vocab), 0, t)][:2]
+    drafts = [[5, 7], digits, []]
+    fresh = fill_draft_bitmasks([None, s, None], drafts, vocab)
+    assert fresh is not None and fresh.shape[0] == 3 + 3 + 1
+    out = torch.randint(-(2**31), 2**31 - 1, (9, fresh.shape[1]), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fill_draft_bitmasks([None, s, None], drafts, vocab, out=out), fresh)
+    assert (fresh[:3] == -1).all() and (fresh[6] == -1).all() and s.num_accepted == 0

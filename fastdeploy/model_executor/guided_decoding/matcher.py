@@ -8,15 +8,36 @@ import torch
 
 from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar
 
-__all__ = ["GuidedState", "allocate_bitmask", "fill_bitmasks"]
+__all__ = ["GuidedState", "PinnedBitmasks", "allocate_bitmask", "fill_bitmasks"]
 
 
-def allocate_bitmask(rows: int, vocab_size: int, pinned: bool = False) -> torch.Tensor:
-    """int32 [rows, ceil(vocab_size / 32)] on CPU, every token allowed (-1 = all 32 bits set).
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, ceil(vocab_size / 32)] on CPU, every token allowed (-1 = all 32 bits set)."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
-    pinned: page-locked memory, ready for a non-blocking copy to the GPU.
+
+class PinnedBitmasks:
+    """Page-locked bitmask rows reused from step to step, for the non-blocking copy to the GPU.
+
+    A fresh pinned tensor each step cost about 0.9 ms at 64 rows on an H100 host (first touch
+    of the pages), more than the grammar fill itself (about 0.55 ms). Two buffers alternate:
+    a step's copy is queued before its sampler, and the worker reads that step's frame (so the
+    copy is done) before it fills the bitmask of the step after the next one.
     """
-    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = -(-vocab_size // 32)
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """int32 [rows, ceil(V / 32)], pinned, contents undefined."""
+        if not self._buffers or self._buffers[0].shape[0] < rows:
+            capacity = max(rows, 2 * self._buffers[0].shape[0] if self._buffers else rows)
+            self._buffers = [torch.empty(capacity, self.words, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        return buffer[:rows]
 
 
 class GuidedState:
@@ -88,19 +109,17 @@ def fill_bitmasks(
     """The step's token bitmask: int32 [B, ceil(vocab_size / 32)] on CPU, bit set = allowed.
 
     Rows of None (unconstrained) states are all ones; None when no row is constrained, so
-    the sampler skips masking altogether. `out`, if given, is a preallocated CPU buffer with
-    at least B rows (e.g. pinned memory for a fast host-to-device copy); its first B rows
+    the sampler skips masking altogether. `out`, if given, is a CPU buffer with at least B
+    rows, any contents (e.g. `PinnedBitmasks` for a fast host-to-device copy); its first B rows
     are returned. Rows of both backends share one buffer: their layouts are the same.
     """
     if all(s is None for s in states):
         return None
     batch = len(states)
-    if out is None:
-        bitmask = allocate_bitmask(batch, vocab_size)
-    else:
-        bitmask = out[:batch]
-        bitmask.fill_(-1)
+    bitmask = allocate_bitmask(batch, vocab_size) if out is None else out[:batch]
     for row, state in enumerate(states):
         if state is not None:
-            state.fill_bitmask(bitmask, row)
+            state.fill_bitmask(bitmask, row)  # writes the whole row
+        elif out is not None:
+            bitmask[row].fill_(-1)
     return bitmask
