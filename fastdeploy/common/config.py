@@ -134,19 +134,25 @@ def pipelines_steps(config: EngineConfig) -> bool:
     sampled tokens reach step N+1 on the device; under tensor parallelism rank 0 broadcasts them
     to the other ranks). `auto`: on CUDA, where the host's share of a step would otherwise leave
     the GPU idle; on CPU the worker computes on the same cores the engine would overlap with.
-    Speculative decoding keeps steps in turn (its drafts are proposed from each step's tokens on
-    the host); `on` with it is refused."""
+
+    Drafts are proposed from each step's tokens on the host, so a step that verifies drafts runs
+    in turn. Adaptive n-gram speculation pipelines the steps its draft policy gives no drafts
+    (a busy batch): there it decodes as fast as without speculation. MTP (whose head reads each
+    step's hidden states before the next step overwrites them) and fixed drafts keep every step
+    in turn; `on` with them is refused."""
     mode = config.async_scheduling
     if mode not in ASYNC_SCHEDULING_MODES:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")
     if mode == "off":
         return False
-    speculative = config.speculative is not None
+    spec = config.speculative
+    overlappable = spec is None or (spec.method == "ngram" and spec.adaptive)
     if mode == "on":
-        if speculative:
-            raise ValueError("async_scheduling 'on' does not work with speculative decoding; use auto or off")
+        if not overlappable:
+            raise ValueError("async_scheduling 'on' does not work with MTP or fixed-draft speculative decoding "
+                             "(adaptive n-gram pipelines its steps without drafts); use auto or off")
         return True
-    return config.device.startswith("cuda") and not speculative
+    return config.device.startswith("cuda") and overlappable
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -85,6 +85,7 @@ class EngineCore:
         self.spec_stats = SpecDecodeStats()
         self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
         self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
+        self._last_frame_at = 0.0  # perf_counter when the last step's frame was read
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
         self.limits = EngineLimits(self.max_model_len, info.vocab_size, config.max_logprobs,
                                    config.enable_keep_sampling_mask, info.num_blocks * info.block_size,
@@ -192,11 +193,15 @@ class EngineCore:
         terminated = frozenset(events.grammar_terminated)
         self.spec_stats.add(events)
         applied = self.token_processor.apply(output.frame, self.sequences, terminated, output.mask_bits)
+        now = time.perf_counter()
         if self.draft_policy is not None and current.draft_cap is not None \
                 and _pure_decode(plan.chunks, current.num_rows):
+            # A step sent ahead was scheduled while the one before it ran: its share of the
+            # time starts where that one's frame was read.
             self.draft_policy.observe(current.num_rows, current.draft_cap,
                                       sum(len(delta.token_ids) for _, delta in applied.results),
-                                      time.perf_counter() - current.started)
+                                      now - max(current.started, self._last_frame_at))
+        self._last_frame_at = now
         for seq, delta in applied.results:
             if delta.finish_reason is not None:
                 self._release(seq)
@@ -221,8 +226,12 @@ class EngineCore:
         num_rows = len(self.scheduler.running)
         draft_cap = None
         if self.draft_policy is not None:
-            # The cap announced with the last step: a draft model drafted that many after it.
+            # The cap announced with the last step: a draft model drafted that many after it. A
+            # step sent ahead drafts nothing (drafts need the tokens of the step still running);
+            # one is sent ahead only where that cap was announced as 0.
             draft_cap = self._announced_cap if self._announced_cap is not None else self.draft_policy.cap(num_rows)
+            if ahead:
+                draft_cap = 0
         plan = self.scheduler.schedule(draft_cap, may_preempt=not ahead)
         new_sequences = []
         chunks = []
@@ -242,8 +251,10 @@ class EngineCore:
         if self.draft_policy is not None:
             self._announced_cap = next_cap = self.draft_policy.cap(len(self.scheduler.running))
         # A step scheduled ahead that left a sequence out for want of blocks is followed by
-        # one in turn, which may preempt as usual.
-        followed = followed and bool(chunks) and not plan.num_blocked
+        # one in turn, which may preempt as usual. With speculation only a step without drafts
+        # is followed, by one without drafts: each accepted run's length is known only on the host.
+        followed = followed and bool(chunks) and not plan.num_blocked \
+            and (self.draft_policy is None or draft_cap == next_cap == 0)
         step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests,
                                next_cap, followed)
         self._freed = []

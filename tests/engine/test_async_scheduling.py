@@ -312,11 +312,18 @@ def test_modes_and_what_refuses_them() -> None:
     assert not pipelines_steps(dataclasses.replace(cuda, async_scheduling="off"))
     assert pipelines_steps(dataclasses.replace(cuda, tensor_parallel_size=2))  # rank 0 broadcasts the tokens
     assert pipelines_steps(EngineArgs(async_scheduling="on", tensor_parallel_size=2).create_engine_config())
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert not pipelines_steps(dataclasses.replace(cuda, speculative=spec))
-    with pytest.raises(ValueError, match="speculative decoding"):
-        EngineArgs(async_scheduling="on", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
-                   ).create_engine_config()
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert pipelines_steps(dataclasses.replace(cuda, speculative=ngram))  # its steps without drafts
+    assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2, adaptive=False)))
+    assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(method="mtp",
+                                                                                       num_speculative_tokens=2)))
+    for refused in ({"method": "mtp", "num_speculative_tokens": 2},
+                    {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}):
+        with pytest.raises(ValueError, match="speculative decoding"):
+            EngineArgs(async_scheduling="on", speculative_config=refused).create_engine_config()
+    assert pipelines_steps(EngineArgs(async_scheduling="on", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2}).create_engine_config())
     with pytest.raises(ValueError, match="unknown async_scheduling"):
         EngineArgs(async_scheduling="sometimes").create_engine_config()
 
@@ -325,9 +332,58 @@ def test_the_server_refuses_on_where_steps_cannot_overlap(capsys) -> None:
     """A usage error naming the conflict, before anything starts."""
     from fastdeploy.entrypoints.openai.api_server import build_app, make_parser
 
-    with pytest.raises(SystemExit, match="does not work with speculative decoding"):
+    with pytest.raises(SystemExit, match="does not work with MTP or fixed-draft speculative decoding"):
         build_app(make_parser().parse_args(["--async-scheduling", "on", "--speculative-config",
-                                            '{"method": "ngram", "num_speculative_tokens": 2}']))
+                                            '{"method": "mtp", "num_speculative_tokens": 2}']))
     with pytest.raises(SystemExit):  # argparse: not a mode
         make_parser().parse_args(["--async-scheduling", "sometimes"])
     assert "--async-scheduling" in make_parser().format_help()
+
+
+class ScriptedCaps:
+    """A draft policy whose caps follow a fixed script (then none), so steps with and without
+    drafts alternate in a known pattern; records what it was asked and told."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+        self.calls = 0
+        self.observed: list[tuple[int, int]] = []  # (cap, tokens) of each measured step
+
+    def cap(self, num_rows: int) -> int:
+        cap = self.script[self.calls] if self.calls < len(self.script) else 0
+        self.calls += 1
+        return cap
+
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float) -> None:
+        assert seconds > 0
+        self.observed.append((cap, num_tokens))
+
+    def describe(self) -> str:
+        return "scripted"
+
+
+def test_adaptive_ngram_pipelines_its_steps_without_drafts(model_dir) -> None:
+    """Steps the draft policy gives no drafts go out ahead like plain decoding; a step with
+    drafts, and the one before it, run in turn. Greedy text equals decoding without speculation."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [12, 13, 14, 15, 16]]
+
+    def requests() -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24), 0.0)
+                for i, p in enumerate(prompts)]
+
+    off = _config(model_dir, "off")
+    plain = _run(EngineCore(off, InProcessExecutor(off)), requests())
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    config = dataclasses.replace(_config(model_dir, "on"), speculative=spec)
+    executor = RecordingExecutor(config)
+    core = EngineCore(config, executor)
+    policy = ScriptedCaps([0, 0, 0, 0, 0, 3, 3, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 3] * 3)
+    core.draft_policy = policy  # type: ignore[assignment]
+    pipelined = _run(core, requests())
+    _assert_same(pipelined, plain)
+    followed, in_flight = _pipelined(executor.sent)
+    drafted = [step for step in executor.sent if any(c.num_lookahead for c in step.chunks)]
+    assert followed >= 5 and in_flight >= 10 and drafted, (followed, in_flight, len(drafted))
+    for step in drafted:
+        assert not step.followed and all(c.token_ids[-1] != IN_FLIGHT_TOKEN for c in step.chunks)
+    assert {cap for cap, _ in policy.observed} >= {0, 3}
