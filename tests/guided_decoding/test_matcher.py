@@ -162,6 +162,15 @@ def test_fill_bitmasks_batch(compile_service):
     assert s3.accept(zero[0]) and s3.accept(EOS) and s3.is_terminated
     term = fill_bitmasks([s3], vocab)
     assert [t for t in range(vocab) if allowed(term, 0, t)] == [EOS]
+    # One batch (filled by the backend in one call): a terminated row, matchers at different
+    # positions, unconstrained rows; each row as that state fills it alone.
+    s4 = GuidedState(compile_service.compile(GuidedSpec("regex", "[0-9]+")))
+    assert s4.accept([t for t in range(vocab) if allowed(bm, 1, t)][0])
+    states = [s, None, s3, s4, None]
+    mixed = fill_bitmasks(states, vocab, out=out)
+    for row, state in enumerate(states):
+        alone = fill_bitmasks([state], vocab) if state is not None else torch.full_like(mixed[:1], -1)
+        assert torch.equal(mixed[row], alone[0]), row
 
 
 def reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

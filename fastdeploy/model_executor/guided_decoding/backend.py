@@ -63,6 +63,10 @@ class GrammarBackend(Protocol):
 
     def matcher(self, compiled: CompiledGrammar) -> TokenMatcher: ...
 
+    def fill_rows(self, matchers: list[TokenMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """`matchers[i].fill_bitmask(bitmask, rows[i])` for every i (matchers of this backend),
+        in one call where the backend can."""
+
 
 def _bit(i: int) -> int:
     """Bit i of an int32 word as a signed int32 value (bit 31 is the sign bit)."""

@@ -16,7 +16,7 @@ import llguidance as llg
 import torch
 
 from fastdeploy.common.guided_spec import GuidedSpec
-from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, TokenMatcher, allow_only
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the type stub only
@@ -186,3 +186,7 @@ class LLGuidanceBackend:
 
     def matcher(self, compiled: CompiledGrammar) -> _Matcher:
         return _Matcher(compiled.handle, self.stop_token_ids)
+
+    def fill_rows(self, matchers: list[TokenMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        for m, row in zip(matchers, rows, strict=True):
+            m.fill_bitmask(bitmask, row)

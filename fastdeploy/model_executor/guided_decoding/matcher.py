@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, GrammarBackend, TokenMatcher
 
 __all__ = ["GuidedState", "PinnedBitmasks", "allocate_bitmask", "fill_bitmasks"]
 
@@ -53,6 +53,11 @@ class GuidedState:
         self.backend = compiled.backend.name
         self._matcher = compiled.matcher()
         self.num_accepted = 0  # tokens accepted and not rolled back
+
+    @property
+    def token_matcher(self) -> TokenMatcher:
+        """The backend's matcher (the batch fill hands a step's matchers to their backend)."""
+        return self._matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 [B, ceil(V/32)], CPU, contiguous).
@@ -117,9 +122,16 @@ def fill_bitmasks(
         return None
     batch = len(states)
     bitmask = allocate_bitmask(batch, vocab_size) if out is None else out[:batch]
+    # Rows by backend, each backend's in one call (a constrained row is written whole).
+    groups: dict[int, tuple[GrammarBackend, list[TokenMatcher], list[int]]] = {}
     for row, state in enumerate(states):
         if state is not None:
-            state.fill_bitmask(bitmask, row)  # writes the whole row
+            backend = state.compiled.backend
+            group = groups.setdefault(id(backend), (backend, [], []))
+            group[1].append(state.token_matcher)
+            group[2].append(row)
         elif out is not None:
             bitmask[row].fill_(-1)
+    for backend, matchers, rows in groups.values():
+        backend.fill_rows(matchers, bitmask, rows)
     return bitmask

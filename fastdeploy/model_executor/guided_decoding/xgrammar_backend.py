@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import cast
 
 import torch
 import xgrammar as xgr
 
 from fastdeploy.common.guided_spec import GuidedSpec, choice_ebnf
-from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, allow_only
+from fastdeploy.model_executor.guided_decoding.backend import CompiledGrammar, TokenMatcher, allow_only
 
 __all__ = ["XGrammarBackend", "clean_error", "json_object_ebnf", "parse", "tokenizer_info_from_hf"]
 
@@ -109,6 +110,10 @@ class _Matcher:
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
 
+    @property
+    def xgrammar_matcher(self) -> xgr.GrammarMatcher:
+        return self._m
+
     def accept(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
 
@@ -139,6 +144,9 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(
             tokenizer_info, max_threads=compiler_threads or min(8, os.cpu_count() or 1), cache_enabled=False
         )
+        # One thread: a step's rows in one C++ loop (64 rows of a JSON schema: 0.35 ms against 0.50
+        # one call per row on an H100 host); more threads cost more than they saved at these sizes.
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, stop_token_ids: list[int] | None = None,
@@ -159,3 +167,14 @@ class XGrammarBackend:
 
     def matcher(self, compiled: CompiledGrammar) -> _Matcher:
         return _Matcher(compiled.handle, self.stop_token_ids)
+
+    def fill_rows(self, matchers: list[TokenMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        live, live_rows = [], []
+        for m, row in zip(matchers, rows, strict=True):
+            if m.is_terminated():
+                m.fill_bitmask(bitmask, row)  # its stop tokens only
+            else:
+                live.append(cast(_Matcher, m).xgrammar_matcher)
+                live_rows.append(row)
+        if live:
+            self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
