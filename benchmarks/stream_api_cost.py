@@ -25,20 +25,12 @@ import tempfile
 import time
 
 import httpx
-import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import (  # noqa: E402
-    engine_processes,
-    machine_info,
-    png_path,
-    print_machine,
-    print_table,
-    pyplot,
-    write_json,
-)
+from benchmarks.common import machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402
 from benchmarks.serving import Server, fastdeploy_server  # noqa: E402
+from benchmarks.serving_mask import process_cpu_s  # noqa: E402
 
 
 async def _stream(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int) -> int:
@@ -58,11 +50,6 @@ async def _load(server: Server, clients: int, max_tokens: int) -> int:
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
         return sum(await asyncio.gather(*(_stream(client, server, i, max_tokens) for i in range(clients))))
-
-
-def _cpu_s(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
 
 
 def main() -> None:
@@ -87,18 +74,14 @@ def main() -> None:
                                             "--max-num-seqs", str(args.clients)])
         server.start(os.path.join(tmp, "server.log"), 300.0, 0.5)
         try:
-            assert server.proc is not None
-            api = psutil.Process(server.proc.pid)
-            (engine, workers), = engine_processes(server.proc.pid)
-            processes = {"api": api, "engine": engine, "worker": workers[0]}
             asyncio.run(_load(server, args.clients, args.max_tokens))  # warm-up
             rows = []
             for r in range(args.rounds):
-                before = {name: _cpu_s(p) for name, p in processes.items()}
+                before = process_cpu_s(server)
                 start = time.perf_counter()
                 chunks = asyncio.run(_load(server, args.clients, args.max_tokens))
                 wall = time.perf_counter() - start
-                cpu = {name: _cpu_s(p) - before[name] for name, p in processes.items()}
+                cpu = {name: s - before[name] for name, s in process_cpu_s(server).items()}
                 rows.append({"round": r, "chunks": chunks, "chunks_per_s": round(chunks / wall, 1),
                              "api_us_per_chunk": round(cpu["api"] / chunks * 1e6, 1),
                              **{f"{name}_cpu_share": round(s / wall, 3) for name, s in cpu.items()}})
