@@ -143,28 +143,27 @@ class GuidedRuntime:
                 and boot.reasoning.prompt_ids_close_reasoning(prompt_token_ids):
             self.states[seq_id] = self._thinking.pop(seq_id).state
 
-    def bitmask(self, seq_ids: list[int], pinned: bool = False) -> torch.Tensor | None:
-        """int32 [B, ceil(V/32)] for the rows sampled this step; None when none is constrained.
+    def bitmask(self, seq_ids: list[int], slot_drafts: list[list[int]] | None = None, pinned: bool = False
+                ) -> torch.Tensor | None:
+        """int32 [rows, ceil(V/32)] for the rows sampled this step; None when none is constrained.
 
-        pinned: fill page-locked memory, which a non-blocking copy takes to the GPU without
-        waiting for the GPU's queued work (the step fills this while the forward pass runs).
+        slot_drafts: a verify step's drafts per sequence; then one row per verified slot
+        (spec_decode.guided_drafts), else one per sequence.
+        pinned: fill reused page-locked rows (`PinnedBitmasks`), which a non-blocking copy takes to
+        the GPU without waiting for the GPU's queued work (the step fills this while the forward
+        pass runs).
         """
         states = [self.states.get(s) for s in seq_ids]
-        out = self._pinned_rows(len(states)) if pinned and any(s is not None for s in states) else None
-        return fill_bitmasks(states, self.vocab_size, out=out)
-
-    def draft_bitmask(self, seq_ids: list[int], slot_drafts: list[list[int]], pinned: bool = False
-                      ) -> torch.Tensor | None:
-        """`bitmask` for a verify step: one row per verified slot (spec_decode.guided_drafts)."""
-        states = [self.states.get(s) for s in seq_ids]
-        rows = sum(len(d) + 1 for d in slot_drafts)
-        out = self._pinned_rows(rows) if pinned and any(s is not None for s in states) else None
+        if all(s is None for s in states):
+            return None
+        out = None
+        if pinned:
+            if self._pinned is None:
+                self._pinned = PinnedBitmasks(self.vocab_size)
+            out = self._pinned.take(len(states) if slot_drafts is None else sum(len(d) + 1 for d in slot_drafts))
+        if slot_drafts is None:
+            return fill_bitmasks(states, self.vocab_size, out=out)
         return fill_draft_bitmasks(states, slot_drafts, self.vocab_size, out=out)
-
-    def _pinned_rows(self, rows: int) -> torch.Tensor:
-        if self._pinned is None:
-            self._pinned = PinnedBitmasks(self.vocab_size)
-        return self._pinned.take(rows)
 
     def accept(self, seq_ids: list[int], runs: list[list[int]], events: WorkerEvents) -> list[int]:
         """Advance each sequence's matcher by its accepted tokens (one, or several with speculative

@@ -451,11 +451,7 @@ class ModelRunner:
         model; the pinned copy does not wait for the GPU either."""
         if self.guided is None:
             return None
-        pinned = self.device.type == "cuda"
-        if drafted:
-            bitmask = self.guided.draft_bitmask(seq_ids, slot_drafts, pinned=pinned)
-        else:
-            bitmask = self.guided.bitmask(seq_ids, pinned=pinned)
+        bitmask = self.guided.bitmask(seq_ids, slot_drafts if drafted else None, pinned=self.device.type == "cuda")
         if bitmask is None or self.device.type != "cuda":
             return bitmask
         return bitmask.to(self.device, non_blocking=True)
