@@ -98,6 +98,9 @@ def run_one_size(args: argparse.Namespace, tp: int, nccl_only: bool = False) -> 
                 print(f"  rank 0 decode: device busy {row['device_busy_ms']:.2f} ms a step "
                       f"(all-reduce kernels {row['allreduce_ms']:.2f} ms), wall {row['profiled_step_ms']:.2f} ms",
                       flush=True)
+                for kernel in row["top_kernels"]:
+                    print(f"    {kernel['us_per_step']:8.1f} us  x{kernel['calls_per_step']:5.1f}  {kernel['kernel']}",
+                          flush=True)
             if args.host_profile:
                 print(host_profile(lambda w, b=batch: generate(b, args.max_tokens, w)), flush=True)
     finally:
@@ -105,11 +108,12 @@ def run_one_size(args: argparse.Namespace, tp: int, nccl_only: bool = False) -> 
     return rows
 
 
-def device_timeline(run: Callable[[Callable[[], AbstractContextManager]], tuple[float, float]], steps: int) -> dict:
+def device_timeline(run: Callable[[Callable[[], AbstractContextManager]], tuple[float, float]], steps: int,
+                    top_kernels: int = 14) -> dict:
     """Rank 0's kernels over the decode steps of one generation: device-busy time a step (the
     union of kernel intervals, so overlapping streams count once) and the all-reduce kernels'
     share (an all-reduce kernel also waits for the slower rank). The rest of the step's wall time
-    is the device waiting for the host."""
+    is the device waiting for the host. `top_kernels`: the kernels that took most device time a step."""
     from torch.profiler import ProfilerActivity, profile
 
     holder: dict = {}
@@ -125,13 +129,18 @@ def device_timeline(run: Callable[[Callable[[], AbstractContextManager]], tuple[
                        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     busy = allreduce = 0.0
     last_end = float("-inf")
+    by_kernel: dict[str, list[float]] = {}
     for start, end, name in intervals:
         busy += max(0.0, end - max(start, last_end))
         last_end = max(last_end, end)
         if "allreduce" in name.lower().replace("_", ""):
             allreduce += end - start
+        by_kernel.setdefault(name, []).append(end - start)
+    top = sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:top_kernels]
     return {"device_busy_ms": busy / 1e3 / steps, "allreduce_ms": allreduce / 1e3 / steps,
-            "profiled_step_ms": decode_s / steps * 1e3}
+            "profiled_step_ms": decode_s / steps * 1e3,
+            "top_kernels": [{"kernel": name[:90], "us_per_step": sum(times) / steps,
+                             "calls_per_step": len(times) / steps} for name, times in top]}
 
 
 def host_profile(run: Callable[[Callable[[], AbstractContextManager]], tuple[float, float]], top: int = 25) -> str:

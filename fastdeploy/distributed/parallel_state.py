@@ -12,6 +12,15 @@ is mapped into its peers, and one kernel reads the peers' data directly (one-sho
 reads every peer's whole message, for small ones; two-shot: each rank reduces its share, then
 gathers the others' shares, for larger ones): 7-15 us a call on two H200s
 (benchmarks/allreduce.py). Messages over its buffer, other dtypes and CPU tensors go to NCCL/gloo.
+
+A row-parallel layer followed by a residual add and an RMSNorm (o_proj and down_proj of a
+decoder layer) can skip the all-reduce: `row_parallel_linear` computes the rank's product
+straight into a slot of the symmetric buffer and returns a `PendingSum`; the norm that consumes
+it (`sum_add_rms_norm`) waits on one barrier, then reads every rank's slot in the same kernel
+that adds the residual and normalises. That saves, per call, the copies in and out, the
+all-reduce kernel's second barrier and the separate norm kernel. Two slots alternate (attention
+and MLP): a rank rewrites a slot only after the next barrier, which its peers pass only once
+they have finished reading it.
 """
 
 from __future__ import annotations
@@ -24,13 +33,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
 
 # The symmetric buffer's size: covers the decode steps of the bundled 8B shapes (hidden 4096,
 # bf16: 1,024 rows); prefill chunks beyond it use NCCL, whose bandwidth wins there anyway.
+# The buffer holds three regions of this size: the all-reduce's and the two `PendingSum` slots.
 SYMMETRIC_BUFFER_BYTES = 8 * 1024 * 1024
+PENDING_SLOTS = 2
 # Up to this size one kernel reads every peer's whole message (fewest steps); above it the two-shot
 # kernel splits the work so each rank reads only its share (measured crossover, 2 GPUs).
 ONE_SHOT_MAX_BYTES = 256 * 1024
@@ -43,8 +55,10 @@ class SymmetricAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = group.group_name
-        self.buffer = symm_mem.empty(SYMMETRIC_BUFFER_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, group)
+        self.buffer = symm_mem.empty((1 + PENDING_SLOTS) * SYMMETRIC_BUFFER_BYTES, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        # Every rank's buffer address, for the kernel that reads the peers' slots.
+        self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -59,6 +73,32 @@ class SymmetricAllReduce:
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
         # Back into x: the buffer is the next all-reduce's, and callers keep the result past it.
         return x.copy_(staged.view_as(x))
+
+    def slot(self, index: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
+        """This rank's `PendingSum` slot `index` as a [rows, cols] tensor; None where it does not fit."""
+        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32) or nbytes > SYMMETRIC_BUFFER_BYTES:
+            return None
+        start = (1 + index) * SYMMETRIC_BUFFER_BYTES
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+    def sum_add_rms_norm(self, pending: PendingSum, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from fastdeploy.distributed.sum_norm_kernel import sum_add_rms_norm
+
+        self.handle.barrier(channel=0)  # every rank's product is in its slot
+        offset = (1 + pending.slot) * SYMMETRIC_BUFFER_BYTES // pending.partial.element_size()
+        return sum_add_rms_norm(self.buffers, offset, (pending.partial.shape[0], pending.partial.shape[1]),
+                                residual, weight, eps)
+
+
+@dataclass
+class PendingSum:
+    """This rank's partial product of a row-parallel layer, in its symmetric-memory slot; the sum
+    over ranks is taken by the norm that consumes it (`sum_add_rms_norm`)."""
+
+    partial: torch.Tensor
+    slot: int
 
 
 @dataclass
@@ -138,6 +178,28 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _STATE.symmetric(x)
     dist.all_reduce(x)
     return x
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor | PendingSum:
+    """`F.linear(x, weight)` summed over ranks (a row-parallel layer without bias): a `PendingSum`
+    in symmetric-memory slot `slot` (0 or 1; calls that use one slot alternate with the other's)
+    where that path is set up and the product fits, else the summed tensor."""
+    if _STATE.size == 1:
+        return F.linear(x, weight)
+    symmetric = _STATE.symmetric
+    if symmetric is not None and x.is_cuda and x.dim() == 2:
+        partial = symmetric.slot(slot, (x.shape[0], weight.shape[0]), x.dtype)
+        if partial is not None:
+            torch.matmul(x, weight.t(), out=partial)
+            return PendingSum(partial, slot)
+    return all_reduce(F.linear(x, weight))
+
+
+def sum_add_rms_norm(pending: PendingSum, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s + residual), s + residual) for the sum s over ranks of `pending`."""
+    assert _STATE.symmetric is not None, "a PendingSum exists only on the symmetric-memory path"
+    return _STATE.symmetric.sum_add_rms_norm(pending, residual, weight, eps)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy.common.config import ModelConfig
-from fastdeploy.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from fastdeploy.distributed.parallel_state import (
+    PendingSum,
+    all_gather_last_dim,
+    all_reduce,
+    row_parallel_linear,
+    sum_add_rms_norm,
+    tp_rank,
+    tp_size,
+)
 from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, CacheWrite
@@ -38,8 +46,12 @@ def _fused():
     return triton_fused
 
 
-def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """`norm(x, residual)`, as one fused kernel on CUDA and, in float32 inference, on the CPU."""
+def _norm(norm: RMSNorm, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None):
+    """`norm(x, residual)`, as one fused kernel on CUDA and, in float32 inference, on the CPU; for
+    a `PendingSum` x, in the kernel that also sums it over the tensor-parallel ranks."""
+    if isinstance(x, PendingSum):
+        assert residual is not None, "a sub-block's output is added to the residual stream"
+        return sum_add_rms_norm(x, residual, norm.weight, norm.eps)
     if x.is_cuda:
         return _fused().add_rms_norm(x, residual, norm.weight, norm.eps)
     if fused_cpu(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
@@ -96,10 +108,13 @@ class LlamaAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
-    def out(self, attn_out: torch.Tensor) -> torch.Tensor:
-        """o_proj of this rank's heads, summed over ranks; the bias (row-parallel) is added once, after the sum."""
+    def out(self, attn_out: torch.Tensor, pending: bool = False) -> torch.Tensor | PendingSum:
+        """o_proj of this rank's heads, summed over ranks; the bias (row-parallel) is added once, after the sum.
+        `pending`: the sum may be left to the norm that follows (a `PendingSum`)."""
         if not isinstance(self.o_proj, nn.Linear):  # a 4-bit linear (layers/quantized_linear.py), never sharded
             return self.o_proj(attn_out)
+        if pending and self.o_proj.bias is None:
+            return row_parallel_linear(attn_out, self.o_proj.weight, slot=0)
         out = all_reduce(F.linear(attn_out, self.o_proj.weight))
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
@@ -110,7 +125,8 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        pending: bool = False,
+    ) -> torch.Tensor | PendingSum:
         if fused_cpu(x) and self.q_norm is None and not meta.prefills and meta.num_decode_tokens == x.shape[0]:
             # A CPU decode step: RoPE, the cache write and attention in one op.
             qkv = self.qkv_proj(x)
@@ -119,7 +135,7 @@ class LlamaAttention(nn.Module):
                 self.num_heads, self.num_kv_heads, self.head_dim, self.attn.scale))
         if x.is_cuda:  # the fused RoPE kernel writes K and V into the cache
             q, k, v = self.qkv(x, cos, sin, cache=CacheWrite(kv_cache, meta.slot_mapping))
-            return self.out(self.attn(q, k, v, kv_cache, meta, kv_written=True))
+            return self.out(self.attn(q, k, v, kv_cache, meta, kv_written=True), pending)
         q, k, v = self.qkv(x, cos, sin)
         return self.out(self.attn(q, k, v, kv_cache, meta))
 
@@ -131,8 +147,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pending: bool = False) -> torch.Tensor | PendingSum:
+        """`pending`: the sum over ranks may be left to the norm that follows (a `PendingSum`)."""
         gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and pending and isinstance(self.down_proj, nn.Linear):
+            return row_parallel_linear(_fused().silu_mul(gate_up), self.down_proj.weight, slot=1)
         if gate_up.is_cuda:
             return all_reduce(self.down_proj(_fused().silu_mul(gate_up)))
         if fused_cpu(gate_up) and gate_up.is_contiguous():
@@ -152,21 +171,27 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | PendingSum,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pending_sums: bool = False,
+    ) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
+        """`pending_sums`: the sub-blocks' row-parallel outputs may stay unsummed (`PendingSum`) for
+        the next norm to sum; the caller then passes the returned output to `_norm` as well."""
         # The residual add is fused into the norms: x is the previous sub-block's output.
         if residual is None:
+            assert isinstance(x, torch.Tensor), "the first layer's input is the embedding"
             residual = x
             x = _norm(self.input_layernorm, x)
         else:
             x, residual = _norm(self.input_layernorm, x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = _norm(self.post_attention_layernorm, x, residual)
+        attn_out = self.self_attn(x, cos, sin, kv_cache, meta, pending_sums)
+        x, residual = _norm(self.post_attention_layernorm, attn_out, residual)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp(x, pending_sums), residual
         return self.mlp(x), residual
 
 
@@ -201,9 +226,12 @@ class LlamaModel(nn.Module):
         c = self.config
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
         residual = None
+        # With tensor parallelism on CUDA each norm sums the sub-block before it over the ranks.
+        pending_sums = tp_size() > 1 and x.is_cuda
+        out: torch.Tensor | PendingSum = x
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = _norm(self.norm, x, residual)
+            out, residual = layer(out, residual, cos, sin, kv_cache, meta, pending_sums)
+        x, _ = _norm(self.norm, out, residual)
         return x
 
 

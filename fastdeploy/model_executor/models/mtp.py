@@ -55,8 +55,9 @@ class MTPHead(nn.Module):
         x = self._combine(token_embeds, prev_hidden)
         c = self.config
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
-        x, residual = self.layer(x, None, cos, sin, kv_cache, meta)
-        return final_norm(x, residual)[0]
+        out, residual = self.layer(x, None, cos, sin, kv_cache, meta)
+        assert isinstance(out, torch.Tensor), "summed: the layer runs without pending sums"
+        return final_norm(out, residual)[0]
 
     def forward_dense(
         self,
@@ -79,8 +80,9 @@ class MTPHead(nn.Module):
         v = v.view(batch, length, attn.num_kv_heads, c.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5,
                                              enable_gqa=attn.num_kv_heads != attn.num_heads)
-        out = attn.out(out.transpose(1, 2).reshape(batch, length, attn.q_size))
-        out, residual = layer.post_attention_layernorm(out, x)
+        attn_out = attn.out(out.transpose(1, 2).reshape(batch, length, attn.q_size))
+        assert isinstance(attn_out, torch.Tensor), "summed: called without `pending`"
+        out, residual = layer.post_attention_layernorm(attn_out, x)
         # Flat [tokens, hidden] rows: the layout the MLP's fused CUDA kernel takes.
         out = layer.mlp(out.flatten(0, 1)).view(batch, length, -1)
         return final_norm(out, residual)[0]
