@@ -4,6 +4,10 @@ j+1 out, both left on the device.
 A pure decode batch (every row attends to the MTP cache up to its own position) replays a
 CUDA graph captured per padded batch size, like the target's decode steps; prefill and mixed
 passes, passes past the captured sizes, `--enforce-eager` and CPU run eagerly.
+
+`fill` is the pass for a step after which no drafts are taken (the draft policy's cap 0): it
+writes the rows' K/V into the MTP cache, which later drafts attend to, and skips the draft
+itself, whose vocabulary projection costs most of a pass on a small model (its own graphs).
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ class MTPPass:
         self.kv_cache = kv_cache
         self.buffers = buffers
         self.graphs: GraphRunner[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.fill_graphs: GraphRunner[torch.Tensor] | None = None
         if buffers is not None:
             weight = target.model.embed_tokens.weight
             self.prev_hidden = torch.zeros(buffers.capacity, target.config.hidden_size, dtype=weight.dtype,
                                            device=weight.device)
             self.graphs = GraphRunner(self._graph_forward, capture_sizes(buffers.capacity), "MTP")
+            self.fill_graphs = GraphRunner(self._graph_fill, capture_sizes(buffers.capacity), "MTP cache fill")
 
     def capture(self) -> None:
-        if self.graphs is not None:
+        if self.graphs is not None and self.fill_graphs is not None:
             self.graphs.capture()
+            self.fill_graphs.capture()
 
     def _hidden(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -50,6 +57,23 @@ class MTPPass:
         # Every row drafts: the rows that matter vary per step while the graph is fixed, and at
         # these sizes the extra rows of the head's GEMM cost less than a second graph would.
         return hidden, self._draft(hidden)
+
+    def _graph_fill(self, batch: int) -> torch.Tensor:
+        b = self.buffers
+        assert b is not None, "graphs are captured only with buffers"
+        return self._hidden(b.input_ids[:batch], self.prev_hidden[:batch], b.positions[:batch], b.metadata(batch))
+
+    def fill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+        """The rows' K/V into the MTP cache, as `__call__` writes them, and nothing drafted."""
+        n = input_ids.shape[0]
+        if self.fill_graphs is not None and self.buffers is not None and self.buffers.fits(n, meta):
+            batch = self.fill_graphs.padded_size(n)
+            self.buffers.load(input_ids, positions, meta, batch)
+            self.prev_hidden[:n].copy_(prev_hidden)
+            self.fill_graphs.replay(batch)
+            return
+        self._hidden(input_ids, prev_hidden, positions, meta)
 
     def __call__(
         self,

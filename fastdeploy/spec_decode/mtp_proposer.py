@@ -74,7 +74,8 @@ class MTPProposer:
                 ) -> PendingDrafts:
         """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence
         (k: `max_drafts` where given, at most the configured number). The first pass runs even
-        for k = 0: it brings the module's K/V up to the accepted tokens, which later drafts need."""
+        for k = 0: it brings the module's K/V up to the accepted tokens, which later drafts need;
+        for k = 0 it drafts nothing (`MTPPass.fill`)."""
         device = step_hidden.device
         k = self.num_speculative_tokens
         work = [w for w in work if w.tokens]
@@ -95,6 +96,9 @@ class MTPProposer:
         hidden_rows_d, draft_rows_d = upload_int64([[r for w in work for r in w.hidden_rows], draft_rows], device)
         prev = step_hidden.index_select(0, hidden_rows_d.clamp(min=0))
         prev = torch.where((hidden_rows_d >= 0).unsqueeze(1), prev, 0)
+        if max_drafts == 0:
+            self.mtp_pass.fill(input_ids, prev, positions, meta)
+            return PendingDrafts([], torch.zeros(0, dtype=torch.long))
         hidden, tokens = self.mtp_pass(input_ids, prev, positions, meta, draft_rows_d)
         passes = [tokens]
         seq_ids = [[w.seq_id for w in drafting]]

@@ -91,3 +91,32 @@ def test_captured_mtp_pass_equals_eager_pass():
         assert (eager_logits.gather(1, tokens[:, None])[:, 0] >= best - 0.05).all(), (tokens, eager_logits.argmax(1))
     del llm, runner, mtp_pass
     _release()
+
+
+def test_captured_fill_writes_the_cache_the_drafting_pass_writes():
+    """At draft cap 0 the MTP module only fills its cache, from its own graphs: the same K/V."""
+    llm = _engine(speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    runner = llm.engine.executor.runner
+    mtp_pass = runner.mtp.mtp_pass
+    assert mtp_pass.fill_graphs is not None
+    vocab, hidden_size = runner.model_config.vocab_size, runner.model_config.hidden_size
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    chunks = [ChunkInput(s, torch.randint(0, vocab, (3,), generator=gen).tolist(), 20, [2 * s + 1, 2 * s + 2],
+                         True) for s in range(5)]
+    input_ids, positions, meta, _ = prepare_inputs(chunks, {s: [] for s in range(5)}, runner.block_size,
+                                                   runner.device)
+    prev = torch.randn(input_ids.shape[0], hidden_size, generator=gen).to(runner.device, runner.dtype)
+    written = []
+    with torch.inference_mode():
+        for fill in (False, True):
+            mtp_pass.kv_cache.zero_()
+            if fill:
+                mtp_pass.fill(input_ids, prev, positions, meta)
+            else:
+                mtp_pass(input_ids, prev, positions, meta, None)
+            torch.cuda.synchronize()
+            written.append(mtp_pass.kv_cache.clone())
+    assert written[0].abs().sum() > 0
+    assert torch.equal(written[1], written[0])
+    del llm, runner, mtp_pass
+    _release()

@@ -65,6 +65,36 @@ def test_paged_path_equals_dense_path():
         torch.testing.assert_close(torch.cat(paged), dense, atol=1e-5, rtol=1e-5)
 
 
+def test_fill_writes_the_cache_a_drafting_pass_writes():
+    """A step after which no drafts are taken runs `MTPPass.fill`: the same K/V in the MTP cache
+    as the drafting pass, and no draft."""
+    from fastdeploy.spec_decode.mtp_pass import MTPPass
+
+    torch.manual_seed(1)
+    config = _config()
+    target = LlamaForCausalLM(config).eval()
+    head = MTPHead(mtp_config(config)).eval()
+    table = torch.tensor([3, 6, 1])
+    caches = []
+    for filling in (False, True):
+        cache = allocate_kv_caches(mtp_config(config), 8, BS, torch.float32, "cpu")[0]
+        mtp_pass = MTPPass(head, target, cache)
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for start, n in ((0, 6), (6, 3), (9, 1)):  # a prompt chunk, a catch-up run, a decode row
+                args = (torch.randint(0, config.vocab_size, (n,), generator=g),
+                        torch.randn(n, config.hidden_size, generator=g), torch.arange(start, start + n),
+                        _chunk_meta(start, n, table, as_rows=n == 3))
+                if filling:
+                    assert mtp_pass.fill(*args) is None
+                else:
+                    hidden, tokens = mtp_pass(*args, None)
+                    assert tokens.shape == (n,)
+        caches.append(cache)
+    assert caches[0].abs().sum() > 0
+    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+
+
 def test_pending_drafts_resolve_per_sequence_in_draft_order():
     # Pass 0 drafted for sequences 7, 3, 9; pass 1 only for 9 and 7 (3 had no slot left).
     pending = PendingDrafts([[7, 3, 9], [9, 7]], torch.tensor([70, 30, 90, 91, 71]))
@@ -114,7 +144,7 @@ def test_mtp_greedy_equals_non_speculative_for_any_head(base, tmp_path_factory):
 @pytest.mark.parametrize("cap", [0, 1, 2])
 def test_mtp_drafts_no_more_than_the_announced_cap(base, tmp_path_factory, monkeypatch, cap):
     """The engine announces each step's draft cap one step ahead; the MTP module drafts no more
-    than that after the step before it (its first pass still runs: it keeps its K/V current), and
+    than that after the step before it (at cap 0 its first pass only keeps its K/V current), and
     the greedy output stays the non-speculative one."""
     from fastdeploy.scheduler.draft_policy import DraftPolicy
     from fastdeploy.spec_decode.mtp_proposer import MTPProposer
@@ -137,5 +167,5 @@ def test_mtp_drafts_no_more_than_the_announced_cap(base, tmp_path_factory, monke
     spec = LLM(max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "model": directory})
     got = spec.chat(prompts, params)
     assert got[0].outputs[0].token_ids == base.chat(prompts, params)[0].outputs[0].token_ids
-    assert drafted and max(drafted) == max(1, cap)
+    assert drafted and max(drafted) == cap
     assert (spec.engine.spec_stats.num_draft_tokens > 0) == (cap > 0)
