@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from typing import cast
 
@@ -52,6 +53,16 @@ class TokenTexts:
         return raw
 
 
+def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int], bool], str] | None:
+    """The Rust tokenizer's own `decode(ids, skip_special_tokens)` where `tokenizer.decode` would
+    return the same text (a fast tokenizer that cleans up no spaces), else None. It skips the
+    Python wrapper's argument conversion: half the cost of a streamed token's two decodes."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return cast(Callable[[list[int], bool], str], backend.decode)
+
+
 class IncrementalDetokenizer:
     """Decodes a growing token list, emitting only complete characters.
 
@@ -62,11 +73,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._fast = fast_decoder(tokenizer)
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids, self.skip_special_tokens)
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def add(self, token_ids: list[int]) -> str:

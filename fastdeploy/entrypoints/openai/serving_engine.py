@@ -153,35 +153,24 @@ class OpenAIServing:
 
     async def run_choices(self, requests: list[EngineRequest]) -> AsyncGenerator[ChoiceEvent, None]:
         """Merge the deltas of all choices as they come, index = position in `requests`."""
+        if len(requests) == 1:
+            # One choice (the usual request): its chunks straight from the engine client, with no
+            # task and queue between (each cost a wake-up per streamed chunk).
+            try:
+                async with contextlib.aclosing(self._choice_chunks(requests[0])) as chunks:
+                    async for chunk in chunks:
+                        yield ChoiceEvent(0, chunk)
+            except EngineDeadError as exc:
+                raise engine_unavailable(str(exc)) from None
+            return
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
         async def pump(index: int, engine_request: EngineRequest) -> None:
-            state = RequestOutputState(engine_request.params, self.tokenizer, self.token_texts)
-            arrival = time.monotonic()
-            last = None
-            series = self.metrics.for_request(None)
             try:
-                async with contextlib.aclosing(self.client.generate(engine_request)) as deltas:
-                    async for delta in deltas:
-                        if last is None:  # the replica serving it is known once it answers
-                            series = self.metrics.for_request(self.client.replica_of(engine_request.request_id))
-                        chunk = state.update(delta)
-                        now = time.monotonic()
-                        if chunk.token_ids:
-                            if last is None:
-                                series.ttft.observe(now - arrival)
-                                series.prompt_tokens.inc(chunk.num_prompt_tokens)
-                            else:
-                                series.itl.observe(now - last)
-                            last = now
-                            series.generation_tokens.inc(len(chunk.token_ids))
+                async with contextlib.aclosing(self._choice_chunks(engine_request)) as chunks:
+                    async for chunk in chunks:
                         await queue.put(ChoiceEvent(index, chunk))
-                        if chunk.finish_reason is not None:
-                            series.finished(chunk.finish_reason)
-                            break
             except asyncio.CancelledError:
-                # The client went away (or a sibling choice failed): its engine request is aborted.
-                series.finished("abort")
                 raise
             except BaseException as exc:  # surfaced to the consumer
                 await queue.put(exc)
@@ -206,6 +195,40 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _choice_chunks(self, engine_request: EngineRequest) -> AsyncGenerator[OutputChunk, None]:
+        """One choice's output chunks until its last, with its metrics; a choice given up before
+        its last chunk (the client left, a sibling failed) counts as aborted."""
+        state = RequestOutputState(engine_request.params, self.tokenizer, self.token_texts)
+        arrival = time.monotonic()
+        last = None
+        series = self.metrics.for_request(None)
+        finished = False
+        try:
+            async with contextlib.aclosing(self.client.generate(engine_request)) as deltas:
+                async for delta in deltas:
+                    if last is None:  # the replica serving it is known once it answers
+                        series = self.metrics.for_request(self.client.replica_of(engine_request.request_id))
+                    chunk = state.update(delta)
+                    now = time.monotonic()
+                    if chunk.token_ids:
+                        if last is None:
+                            series.ttft.observe(now - arrival)
+                            series.prompt_tokens.inc(chunk.num_prompt_tokens)
+                        else:
+                            series.itl.observe(now - last)
+                        last = now
+                        series.generation_tokens.inc(len(chunk.token_ids))
+                    if chunk.finish_reason is not None:
+                        finished = True
+                        series.finished(chunk.finish_reason)
+                    yield chunk
+                    if finished:
+                        break
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                series.finished("abort")
+            raise
 
 
 async def until_disconnected(raw_request: Request, work: Awaitable[_T]) -> _T:
