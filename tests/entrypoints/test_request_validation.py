@@ -177,3 +177,30 @@ def test_ipc_directory_is_private_whatever_the_umask(umask):
         assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
     finally:
         os.rmdir(path)
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "required"), ("functions", [{"name": "f"}]),
+                                          ("modalities", ["text", "audio"]), ("suffix", "x"), ("echo", True),
+                                          ("min_tokens", 4), ("max_token", 8), ("chat_template_kwargs", {})])
+def test_a_field_the_server_does_not_implement_is_refused_by_name(field, value):
+    """Never silently ignored: an OpenAI field it does not implement, an engine extension it does
+    not have, a misspelt field (completions take `echo`; chat does not)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], field: value}
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(body)
+    assert validation_message(caught.value.errors(include_url=False)) == (
+        f"request argument `{field}` is not supported by this server", field)
+
+
+def test_fields_that_ask_nothing_of_the_output_are_taken():
+    body = {"messages": [{"role": "user", "content": "Hi"}], "store": False, "metadata": {"a": "b"},
+            "service_tier": "auto", "parallel_tool_calls": True, "tools": [], "tool_choice": "none",
+            "modalities": ["text"], "user": "u"}
+    assert ChatCompletionRequest.model_validate(body).to_sampling_params().n == 1
+
+
+@pytest.mark.parametrize("prompt", [[True, 2], [1.0, 2], [[3, False]]])
+def test_token_ids_are_json_integers(prompt):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": prompt})

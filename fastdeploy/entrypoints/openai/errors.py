@@ -49,5 +49,7 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "extra_forbidden" and len(loc) == 1:
+        return f"request argument `{loc[0]}` is not supported by this server", loc[0]
     loc = loc[:1] + [p for p in loc[1:] if "[" not in p and p not in _MEMBER_TAGS]
     return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)

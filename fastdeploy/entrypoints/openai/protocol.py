@@ -25,6 +25,15 @@ from fastdeploy.entrypoints.openai.request_limits import (
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structural_tag")
+# OpenAI fields taken and ignored: bookkeeping and hints that ask nothing of the output.
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "prediction", "parallel_tool_calls"})
+# OpenAI fields taken only at a value that asks for nothing (no tools, text output; "auto" picks
+# among no tools); any other value asks for what this server does not do, and is refused like an
+# unknown field.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "tools": ([], None), "functions": ([], None), "tool_choice": ("none", "auto", None),
+    "function_call": ("none", None), "modalities": (["text"], None),
+}
 
 
 class StreamOptions(BaseModel):
@@ -62,8 +71,9 @@ class ChatMessage(BaseModel):
 class CommonRequest(BaseModel):
     """Fields shared by chat and completions, including the extra sampling fields."""
 
-    # Infinity arrives as valid JSON (1e999); no sampling parameter means anything by it.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Infinity arrives as valid JSON (1e999); no sampling parameter means anything by it. A field
+    # this server does not implement is refused (a 400 naming it), never silently ignored.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     n: Choices = 1
     temperature: float | None = None
@@ -98,6 +108,18 @@ class CommonRequest(BaseModel):
     disable_any_whitespace: bool | None = None
     # Accept a grammar looser than the schema where no backend enforces all of it (else a 400).
     guided_best_effort: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_inert_fields(cls, data: Any) -> Any:
+        """Drop the OpenAI fields that ask nothing of this server (see IGNORED_FIELDS)."""
+        if not isinstance(data, dict):
+            return data
+
+        def inert(key: str, value: Any) -> bool:
+            return key in IGNORED_FIELDS or (key in NEUTRAL_VALUES and value in NEUTRAL_VALUES[key])
+
+        return {key: value for key, value in data.items() if key in cls.model_fields or not inert(key, value)}
 
     def guided_field(self) -> str | None:
         """The structured-output field this request used, for naming it in errors."""
