@@ -76,7 +76,7 @@ class SymmetricAllReduce:
 
     def slot(self, index: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's `PendingSum` slot `index` as a [rows, cols] tensor; None where it does not fit."""
-        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape[0] * shape[1] * dtype.itemsize
         if dtype not in (torch.bfloat16, torch.float16, torch.float32) or nbytes > SYMMETRIC_BUFFER_BYTES:
             return None
         start = (1 + index) * SYMMETRIC_BUFFER_BYTES
