@@ -204,3 +204,12 @@ def test_fields_that_ask_nothing_of_the_output_are_taken():
 def test_token_ids_are_json_integers(prompt):
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": prompt})
+
+
+@pytest.mark.parametrize("body", [[1, 2], "prompt", b'{"prompt": "Hi"}', 3])
+def test_a_body_that_is_no_json_object_says_so(body):
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate(body)
+    message, param = validation_message(caught.value.errors(include_url=False))
+    assert message == "the request body must be a JSON object, sent as Content-Type: application/json"
+    assert param is None

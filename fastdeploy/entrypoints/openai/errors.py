@@ -49,6 +49,9 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        # A JSON array or scalar, or a body sent as another content type (read as raw bytes).
+        return "the request body must be a JSON object, sent as Content-Type: application/json", None
     if first.get("type") == "extra_forbidden" and len(loc) == 1:
         return f"request argument `{loc[0]}` is not supported by this server", loc[0]
     loc = loc[:1] + [p for p in loc[1:] if "[" not in p and p not in _MEMBER_TAGS]
