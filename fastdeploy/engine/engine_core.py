@@ -52,6 +52,7 @@ class SubmittedStep:
     num_rows: int  # sequences running when it was scheduled
     draft_cap: int | None
     followed: bool  # the next step is sent before this one's frame is read
+    ahead: bool = False  # it was sent before the frame of the step before it was read
 
 
 @dataclasses.dataclass
@@ -83,7 +84,9 @@ class EngineCore:
                                                           if spec and spec.method == "mtp" else 0),
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
-        self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
+        self._pipelining = pipelines_steps(config)
+        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, pipelined_zero=self._pipelining)
+                             if spec is not None and spec.adaptive else None)
         self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
         self._last_frame_at = 0.0  # perf_counter when the last step's frame was read
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)
@@ -100,7 +103,6 @@ class EngineCore:
         self._grammar_requests: list[GrammarRequest] = []
         self._registered: set[int] = set()  # sequences whose NewSequence the worker has
         self._deferred: DeferredDeltas | None = None
-        self._pipelining = pipelines_steps(config)
         self._in_flight: SubmittedStep | None = None  # sent, frame not read; the next step goes first
 
     def validate(self, request: EngineRequest) -> None:
@@ -200,7 +202,7 @@ class EngineCore:
             # time starts where that one's frame was read.
             self.draft_policy.observe(current.num_rows, current.draft_cap,
                                       sum(len(delta.token_ids) for _, delta in applied.results),
-                                      now - max(current.started, self._last_frame_at))
+                                      now - max(current.started, self._last_frame_at), current.ahead)
         self._last_frame_at = now
         for seq, delta in applied.results:
             if delta.finish_reason is not None:
@@ -259,7 +261,7 @@ class EngineCore:
                                next_cap, followed)
         self._freed = []
         self._grammar_requests = []
-        return SubmittedStep(plan, self.executor.submit(step_input), started, num_rows, draft_cap, followed)
+        return SubmittedStep(plan, self.executor.submit(step_input), started, num_rows, draft_cap, followed, ahead)
 
     def _take_deferred(self) -> list[RequestDelta]:
         """The previous step's masked deltas, their masks attached once the ids are on the host.

@@ -14,6 +14,12 @@ steps of 40 and of 60 rows in one class compare fairly where a step's time hardl
 its rows, as on a GPU). A step takes the cap with the best average; the caps next to it are
 tried again now and then, the less often the more a try costs (about 0.4 % of the throughput
 per cap), so a change in the load or the text is still followed, one cap at a time.
+
+With asynchronous scheduling a step without drafts is sent ahead of the running one when the
+next has none either, so a run of them costs less per step than one such step between drafted
+steps, which goes in turn. Cap 0 is therefore tried as a run of steps, its figures are those of
+the steps sent ahead (the in-turn ones are kept apart), and trying a drafting cap while cap 0 is
+the best also pays for the in-turn step it forces.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ OUTLIER_FACTOR = 2.0
 # error: more retries lost more than the better picks gained in simulated runs.
 CONFIDENCE = 0.5
 PLAUSIBLE_RETRY_STEPS = 4
+# With asynchronous scheduling, cap 0 is taken for at least this many steps at a time: all but
+# the first are sent ahead, so a try measures what the cap gives when it is chosen.
+ZERO_RUN_STEPS = 4
 
 
 def draft_caps(num_speculative_tokens: int) -> list[int]:
@@ -64,6 +73,7 @@ class _Arm:
     seen_rows: int = 0  # sequences the samples covered, not decayed
     warmed: bool = False  # the cap's first step in its class, not counted, has run
     last_step: int = 0  # the class's step count when this cap last ran
+    pipelined: bool = False  # cap 0: its figures are those of steps sent ahead
 
     @property
     def rate(self) -> float:
@@ -79,6 +89,9 @@ class _Arm:
 class _BatchClass:
     arms: dict[int, _Arm]
     steps: int = 0
+    # Steps without drafts that went in turn, where others are sent ahead: apart from cap 0's
+    # figures (which, once any step was sent ahead, are those of the steps sent ahead).
+    zero_in_turn: _Arm = field(default_factory=_Arm)
     # The caps measured first: both ends, all drafts before none (where drafts pay, a lone
     # request, the first steps do too); or one cap that measured classes point to (a server's
     # batch drifts through several classes as requests come and go, and trying a bad end in
@@ -91,11 +104,24 @@ class DraftPolicy:
     """Per step: `cap(num_rows)` before scheduling, `observe(...)` once the step's tokens are in."""
 
     num_speculative_tokens: int
+    # Steps without drafts can be sent ahead of the running one (asynchronous scheduling).
+    pipelined_zero: bool = False
     classes: dict[int, _BatchClass] = field(default_factory=dict)
+    _zero_run: tuple[int, int] = (0, 0)  # (class, steps left) of the run of cap 0 under way
 
     def cap(self, num_rows: int) -> int:
         """The most drafts any sequence gets in a step of about `num_rows` decoding sequences."""
-        group = self._class(num_rows)
+        key = _class_key(num_rows)
+        run_class, run_left = self._zero_run
+        if run_left > 0 and run_class == key:
+            self._zero_run = (key, run_left - 1)
+            return 0
+        k = self._pick(key)
+        self._zero_run = (key, ZERO_RUN_STEPS - 1) if k == 0 and self.pipelined_zero else (0, 0)
+        return k
+
+    def _pick(self, key: int) -> int:
+        group = self._group(key)
         arms = group.arms
         caps = sorted(arms)
         # The caps between the ends are tried later as neighbours of the best (the yield over
@@ -121,13 +147,19 @@ class DraftPolicy:
             else:
                 # Throughput a retry of this cap loses, as a fraction of one best step's.
                 loss = arm.step_seconds / best.step_seconds * (1.0 - arm.rate / best.rate)
+                if k == 0 and self.pipelined_zero:
+                    loss *= ZERO_RUN_STEPS  # tried as a run
+                elif best_cap == 0 and group.zero_in_turn.weight > 0:
+                    # The step before it cannot be sent ahead of it: it goes in turn.
+                    loss += max(0.0, group.zero_in_turn.step_seconds / best.step_seconds - 1.0)
                 wait = max(MIN_RETRY_STEPS, loss / RETRY_COST)
             overdue.append((group.steps - arm.last_step - wait, k))
         due, k = max(overdue, default=(-1.0, best_cap))
         return k if due >= 0 else best_cap
 
-    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float) -> None:
-        """A pure-decode step of `num_rows` sequences under `cap` produced `num_tokens` in `seconds`."""
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False) -> None:
+        """A pure-decode step of `num_rows` sequences under `cap` produced `num_tokens` in `seconds`;
+        `sent_ahead`: it was sent while the step before it ran."""
         if seconds <= 0 or num_rows <= 0:
             return
         group = self._class(num_rows)
@@ -141,16 +173,16 @@ class DraftPolicy:
             # a buffer grows): it measures that, not the cap.
             arm.warmed = True
             return
-        if arm.weight > 0:
-            # One step slowed by something else (a collection, a busy neighbour) must not sink a
-            # cap for long: no sample counts as more than a few of the cap's usual steps.
-            seconds = min(seconds, OUTLIER_FACTOR * arm.step_seconds)
-        decay = ROW_DECAY ** num_rows
-        arm.tokens_per_row = arm.tokens_per_row * decay + num_tokens / num_rows
-        arm.seconds = arm.seconds * decay + seconds
-        arm.weight = arm.weight * decay + 1.0
-        arm.rows = arm.rows * decay + num_rows
-        arm.seen_rows += num_rows
+        if cap == 0 and self.pipelined_zero:
+            if not sent_ahead:
+                _add(group.zero_in_turn, num_rows, num_tokens, seconds)
+                if arm.pipelined:
+                    return  # cap 0's figures are those of its steps sent ahead
+            elif not arm.pipelined:
+                # The first step sent ahead: the in-turn ones measured the cap as it runs between
+                # drafted steps, not as it runs when chosen.
+                group.arms[0] = arm = _Arm(warmed=True, last_step=arm.last_step, pipelined=True)
+        _add(arm, num_rows, num_tokens, seconds)
 
     def describe(self) -> str:
         """Per batch-size class: the cap steps take now, and each measured cap's tokens per
@@ -188,12 +220,32 @@ class DraftPolicy:
         return (caps[-1], caps[0])
 
     def _class(self, num_rows: int) -> _BatchClass:
-        key = max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+        return self._group(_class_key(num_rows))
+
+    def _group(self, key: int) -> _BatchClass:
         group = self.classes.get(key)
         if group is None:
             caps = draft_caps(self.num_speculative_tokens)
             group = self.classes[key] = _BatchClass({k: _Arm() for k in caps}, first=self._first_caps(key, caps))
         return group
+
+
+def _class_key(num_rows: int) -> int:
+    return max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+
+
+def _add(arm: _Arm, num_rows: int, num_tokens: int, seconds: float) -> None:
+    """One step's sample into `arm`'s decayed sums."""
+    if arm.weight > 0:
+        # One step slowed by something else (a collection, a busy neighbour) must not sink a
+        # cap for long: no sample counts as more than a few of the cap's usual steps.
+        seconds = min(seconds, OUTLIER_FACTOR * arm.step_seconds)
+    decay = ROW_DECAY ** num_rows
+    arm.tokens_per_row = arm.tokens_per_row * decay + num_tokens / num_rows
+    arm.seconds = arm.seconds * decay + seconds
+    arm.weight = arm.weight * decay + 1.0
+    arm.rows = arm.rows * decay + num_rows
+    arm.seen_rows += num_rows
 
 
 def _best_measured(group: _BatchClass) -> int | None:

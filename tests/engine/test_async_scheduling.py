@@ -347,16 +347,16 @@ class ScriptedCaps:
     def __init__(self, script: list[int]) -> None:
         self.script = script
         self.calls = 0
-        self.observed: list[tuple[int, int]] = []  # (cap, tokens) of each measured step
+        self.observed: list[tuple[int, int, bool]] = []  # (cap, tokens, sent ahead) of each measured step
 
     def cap(self, num_rows: int) -> int:
         cap = self.script[self.calls] if self.calls < len(self.script) else 0
         self.calls += 1
         return cap
 
-    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False) -> None:
         assert seconds > 0
-        self.observed.append((cap, num_tokens))
+        self.observed.append((cap, num_tokens, sent_ahead))
 
     def describe(self) -> str:
         return "scripted"
@@ -386,4 +386,7 @@ def test_adaptive_ngram_pipelines_its_steps_without_drafts(model_dir) -> None:
     assert followed >= 5 and in_flight >= 10 and drafted, (followed, in_flight, len(drafted))
     for step in drafted:
         assert not step.followed and all(c.token_ids[-1] != IN_FLIGHT_TOKEN for c in step.chunks)
-    assert {cap for cap, _ in policy.observed} >= {0, 3}
+    assert {cap for cap, _, _ in policy.observed} >= {0, 3}
+    # The policy is told which steps went out ahead: some without drafts, none with.
+    assert any(ahead for cap, _, ahead in policy.observed if cap == 0)
+    assert not any(ahead for cap, _, ahead in policy.observed if cap > 0)
