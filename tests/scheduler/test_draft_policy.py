@@ -14,6 +14,18 @@ def expected_tokens(cap: int, acceptance: float) -> float:
     return sum(acceptance ** i for i in range(cap + 1))
 
 
+def step_tokens(rng: random.Random, rows: int, cap: int, acceptance: float) -> int:
+    """Tokens a verify step of `rows` rows yields: each row's drafts accepted one after another."""
+    tokens = 0
+    for _ in range(rows):
+        tokens += 1
+        for _ in range(cap):
+            if rng.random() >= acceptance:
+                break
+            tokens += 1
+    return tokens
+
+
 def run(policy: DraftPolicy, rows: int, steps: int, step_ms, acceptance, seed: int = 0,
         slow_step=lambda i, cap, first: 1.0) -> tuple[float, list[int]]:
     """Drive the policy through `steps` simulated steps (noisy times, sampled acceptance);
@@ -25,14 +37,7 @@ def run(policy: DraftPolicy, rows: int, steps: int, step_ms, acceptance, seed: i
     for i in range(steps):
         cap = policy.cap(rows)
         caps.append(cap)
-        a = acceptance(i) if callable(acceptance) else acceptance
-        tokens = 0
-        for _ in range(rows):
-            tokens += 1
-            for _ in range(cap):
-                if rng.random() >= a:
-                    break
-                tokens += 1
+        tokens = step_tokens(rng, rows, cap, acceptance(i) if callable(acceptance) else acceptance)
         seconds = step_ms(rows, cap) * rng.uniform(0.9, 1.1) / 1e3 * slow_step(i, cap, cap not in seen)
         seen.add(cap)
         policy.observe(rows, cap, tokens, seconds)
@@ -188,13 +193,7 @@ def run_pipelined(policy: DraftPolicy, rows: int, steps: int, step_ms, ahead_ms:
     for _ in range(steps):
         announced = policy.cap(rows)  # the next step's, sent with this one
         ahead = cap == 0 and previous == 0
-        tokens = 0
-        for _ in range(rows):
-            tokens += 1
-            for _ in range(cap):
-                if rng.random() >= acceptance:
-                    break
-                tokens += 1
+        tokens = step_tokens(rng, rows, cap, acceptance)
         ms = ahead_ms if ahead else step_ms(rows, cap)
         seconds = ms * rng.uniform(0.9, 1.1) / 1e3
         policy.observe(rows, cap, tokens, seconds, sent_ahead=ahead)
