@@ -20,6 +20,8 @@ CHAT = [{"role": "user", "content": "Name three fruits."}]
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    head = httpx.head(f"{server.base_url}/health")  # what some load balancers send
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_each_serving_process_freezes_its_start_up_heap(server, client):

@@ -143,7 +143,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if args.api_key:
         app.add_middleware(APIKeyGuard, api_key=args.api_key)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> Response:
         if client.healthy and getattr(client, "degraded", False):
             # Data parallelism: some replicas are down (and restarting); the rest serve.
