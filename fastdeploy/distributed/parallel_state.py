@@ -46,6 +46,8 @@ PENDING_SLOTS = 2
 # Up to this size one kernel reads every peer's whole message (fewest steps); above it the two-shot
 # kernel splits the work so each rank reads only its share (measured crossover, 2 GPUs).
 ONE_SHOT_MAX_BYTES = 256 * 1024
+# What the symmetric-memory sums take (the all-reduce kernels and the norm's sum alike).
+SUMMED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class SymmetricAllReduce:
@@ -61,7 +63,7 @@ class SymmetricAllReduce:
         self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        return (x.is_cuda and x.is_contiguous() and x.dtype in SUMMED_DTYPES
                 and x.numel() * x.element_size() <= SYMMETRIC_BUFFER_BYTES)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +79,7 @@ class SymmetricAllReduce:
     def slot(self, index: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's `PendingSum` slot `index` as a [rows, cols] tensor; None where it does not fit."""
         nbytes = shape[0] * shape[1] * dtype.itemsize
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32) or nbytes > SYMMETRIC_BUFFER_BYTES:
+        if dtype not in SUMMED_DTYPES or nbytes > SYMMETRIC_BUFFER_BYTES:
             return None
         start = (1 + index) * SYMMETRIC_BUFFER_BYTES
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
