@@ -136,21 +136,21 @@ def pipelines_steps(config: EngineConfig) -> bool:
     the GPU idle; on CPU the worker computes on the same cores the engine would overlap with.
 
     Drafts are proposed from each step's tokens on the host, so a step that verifies drafts runs
-    in turn. Adaptive n-gram speculation pipelines the steps its draft policy gives no drafts
-    (a busy batch): there it decodes as fast as without speculation. MTP (whose head reads each
-    step's hidden states before the next step overwrites them) and fixed drafts keep every step
-    in turn; `on` with them is refused."""
+    in turn. Adaptive speculation (n-gram or MTP) pipelines the steps its draft policy gives no
+    drafts (a busy batch): there it decodes about as fast as without speculation (MTP's head
+    still takes in each such step's tokens, from the device, before the next step runs). Fixed
+    drafts keep every step in turn; `on` with them is refused."""
     mode = config.async_scheduling
     if mode not in ASYNC_SCHEDULING_MODES:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")
     if mode == "off":
         return False
     spec = config.speculative
-    overlappable = spec is None or (spec.method == "ngram" and spec.adaptive)
+    overlappable = spec is None or spec.adaptive
     if mode == "on":
         if not overlappable:
-            raise ValueError("async_scheduling 'on' does not work with MTP or fixed-draft speculative decoding "
-                             "(adaptive n-gram pipelines its steps without drafts); use auto or off")
+            raise ValueError("async_scheduling 'on' does not work with fixed-draft speculative decoding "
+                             "(adaptive speculation pipelines its steps without drafts); use auto or off")
         return True
     return config.device.startswith("cuda") and overlappable
 

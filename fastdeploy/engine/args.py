@@ -163,8 +163,8 @@ class EngineArgs:
         parser.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_MODES), default=d.async_scheduling,
                             help="schedule and launch step N+1 while step N runs, its input tokens taken from "
                                  "step N's sampler on the device, so the GPU does not wait for the host between "
-                                 "steps; auto: on for CUDA without speculative decoding, or with adaptive n-gram "
-                                 "speculation (its steps without drafts)")
+                                 "steps; auto: on for CUDA without speculative decoding, or with adaptive (n-gram or "
+                                 "MTP) speculation (its steps without drafts)")
         return parser
 
     @classmethod

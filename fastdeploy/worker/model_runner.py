@@ -261,6 +261,12 @@ class ModelRunner:
         sampled = self.sampler(logits, metadata, settle_kept_sets=False)
         if not drafts:  # what a step scheduled ahead of this one's frame reads as its in-flight tokens
             self._last_sampled = SampledTokens(seq_ids, sampled.sampled_token_ids)
+        if self.mtp is not None and step.followed:
+            # The next step runs before this one's tokens reach the host (and may overwrite its
+            # hidden states): the MTP module takes this step in now, its tokens from the device.
+            # The engine follows only a step without drafts by one without drafts.
+            assert not drafts and self._next_draft_cap == 0, "a followed step neither verifies nor drafts"
+            self.mtp.feed_in_flight(chunks, hidden, seq_ids, sampled.sampled_token_ids, self.sequences)
         done = None
         if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()
@@ -334,7 +340,7 @@ class ModelRunner:
             events.num_draft_tokens = sum(len(d) for d in q.slot_drafts)
             events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, q.slot_drafts, strict=True)
                                                    if d)
-        if self.mtp is not None:
+        if self.mtp is not None and not q.step.followed:  # a followed step fed it at launch
             # After the frame: the host's share of drafting (inputs of each MTP pass) then runs
             # while the engine takes in the frame, and the passes while it schedules.
             self._after_frame = functools.partial(

@@ -316,14 +316,17 @@ def test_modes_and_what_refuses_them() -> None:
     assert pipelines_steps(dataclasses.replace(cuda, speculative=ngram))  # its steps without drafts
     assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(
         method="ngram", num_speculative_tokens=2, adaptive=False)))
-    assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(method="mtp",
-                                                                                       num_speculative_tokens=2)))
-    for refused in ({"method": "mtp", "num_speculative_tokens": 2},
+    assert pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(method="mtp",
+                                                                                   num_speculative_tokens=2)))
+    assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(
+        method="mtp", num_speculative_tokens=2, adaptive=False)))
+    for refused in ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
                     {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}):
         with pytest.raises(ValueError, match="speculative decoding"):
             EngineArgs(async_scheduling="on", speculative_config=refused).create_engine_config()
-    assert pipelines_steps(EngineArgs(async_scheduling="on", speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2}).create_engine_config())
+    for method in ("ngram", "mtp"):
+        assert pipelines_steps(EngineArgs(async_scheduling="on", speculative_config={
+            "method": method, "num_speculative_tokens": 2}).create_engine_config())
     with pytest.raises(ValueError, match="unknown async_scheduling"):
         EngineArgs(async_scheduling="sometimes").create_engine_config()
 
@@ -332,9 +335,9 @@ def test_the_server_refuses_on_where_steps_cannot_overlap(capsys) -> None:
     """A usage error naming the conflict, before anything starts."""
     from fastdeploy.entrypoints.openai.api_server import build_app, make_parser
 
-    with pytest.raises(SystemExit, match="does not work with MTP or fixed-draft speculative decoding"):
+    with pytest.raises(SystemExit, match="does not work with fixed-draft speculative decoding"):
         build_app(make_parser().parse_args(["--async-scheduling", "on", "--speculative-config",
-                                            '{"method": "mtp", "num_speculative_tokens": 2}']))
+                                            '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}']))
     with pytest.raises(SystemExit):  # argparse: not a mode
         make_parser().parse_args(["--async-scheduling", "sometimes"])
     assert "--async-scheduling" in make_parser().format_help()
@@ -390,3 +393,67 @@ def test_adaptive_ngram_pipelines_its_steps_without_drafts(model_dir) -> None:
     # The policy is told which steps went out ahead: some without drafts, none with.
     assert any(ahead for cap, _, ahead in policy.observed if cap == 0)
     assert not any(ahead for cap, _, ahead in policy.observed if cap > 0)
+
+
+def test_adaptive_mtp_pipelines_its_steps_without_drafts(model_dir, tmp_path_factory, monkeypatch) -> None:
+    """MTP's steps without drafts go out ahead too; the MTP module then takes each such step in
+    at its launch, the newest tokens read from the device. Its K/V are what the in-turn path
+    writes: wherever both runs draft for a sequence at a position, the drafts are the same
+    (a random head, greedy), and the text is that of decoding without speculation."""
+    from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config, save_mtp_head
+    from fastdeploy.worker.model_runner import ModelRunner
+    from fastdeploy.worker.mtp_step import MTPStep
+
+    off = _config(model_dir, "off")
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [12, 13, 14, 15, 16]]
+
+    def requests() -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24), 0.0)
+                for i, p in enumerate(prompts)]
+
+    plain_core = EngineCore(off, InProcessExecutor(off))
+    torch.manual_seed(4)
+    head_dir = str(tmp_path_factory.mktemp("mtp_async"))
+    save_mtp_head(MTPHead(mtp_config(plain_core.executor.runner.model_config)), head_dir, dtype=torch.float32)
+    plain = _run(plain_core, requests())
+
+    drafted: dict[str, dict[tuple[int, int], list[int]]] = {}
+    in_flight_feeds: list[int] = []
+    propose_drafts = ModelRunner._propose_drafts
+    feed_in_flight = MTPStep.feed_in_flight
+
+    def run(mode: str) -> tuple[dict, list[StepInput]]:
+        log = drafted.setdefault(mode, {})
+
+        def recording(self, chunks):
+            drafts = propose_drafts(self, chunks)
+            log.update({(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
+            return drafts
+
+        def counting(self, *args, **kwargs):
+            in_flight_feeds.append(1)
+            return feed_in_flight(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
+        monkeypatch.setattr(MTPStep, "feed_in_flight", counting)
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2, model=head_dir)
+        config = dataclasses.replace(_config(model_dir, mode), speculative=spec)
+        executor = RecordingExecutor(config)
+        core = EngineCore(config, executor)
+        script = [0, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 2] * 3
+        core.draft_policy = ScriptedCaps(script)  # type: ignore[assignment]
+        return _run(core, requests()), executor.sent
+
+    in_turn, _ = run("off")
+    assert not in_flight_feeds
+    pipelined, sent = run("on")
+    _assert_same(in_turn, plain)
+    _assert_same(pipelined, plain)
+    followed, in_flight = _pipelined(sent)
+    # Every followed step that sampled fed the module at its launch (one that only computed
+    # part of a prompt feeds it there anyway).
+    assert followed >= 5 and in_flight >= 10 and 5 <= len(in_flight_feeds) <= followed, (followed, in_flight_feeds)
+    both = drafted["off"].keys() & drafted["on"].keys()
+    assert len(both) >= 3, (drafted["off"].keys(), drafted["on"].keys())
+    for key in both:
+        assert drafted["on"][key] == drafted["off"][key], key
