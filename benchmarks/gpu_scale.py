@@ -291,7 +291,10 @@ def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
             row.update({f"{name}_tok_s": statistics.median(tok_s[name]), f"{name}_speedup": ratio,
                         f"{name}_speedup_range": [low, high], f"{name}_acceptance": accepted / max(1, drafted),
                         f"{name}_tokens_per_step": 1 + accepted / max(1, verified),
-                        f"{name}_identical": sum(a == b for a, b in zip(tokens[name], tokens["off"], strict=True))})
+                        f"{name}_identical": sum(a == b for a, b in zip(tokens[name], tokens["off"], strict=True)),
+                        # What the draft policy measured and chose, per batch-size class, by now.
+                        f"{name}_policy": llms[name].engine.draft_policy.describe()
+                        if llms[name].engine.draft_policy is not None else None})
             out.put(f"{name}_speedup", batch, ratio)
         out.details["rows"].append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
