@@ -117,7 +117,13 @@ def server_processes(servers: list[Server]) -> dict[str, psutil.Process]:
     """role -> process: each server's API process, engines and workers; roles carry the server's index."""
     roles: dict[str, psutil.Process] = {}
     for s_index, server in enumerate(servers):
-        roles[f"s{s_index}.api"] = psutil.Process(server.proc.pid)
+        roles[f"s{s_index}.api"] = psutil.Process(server.proc.pid)  # the launcher, with --api-server-count > 1
+        api_index = 0
+        for child in psutil.Process(server.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if "spawn_main" in " ".join(child.cmdline()) and not child.children():
+                    roles[f"s{s_index}.api{api_index}"] = child  # one of several API processes
+                    api_index += 1
         for e_index, (engine, workers) in enumerate(engine_processes(server.proc.pid)):
             roles[f"s{s_index}.engine{e_index}"] = engine
             for w_index, worker in enumerate(workers):
@@ -210,7 +216,9 @@ def load(servers: list[Server], clients: int, per_client: int, max_tokens: int, 
     span = max(r[2] for r in rows) - min(r[1] for r in rows)
     shares_by_role = {role: round((cpu_end[role] - cpu_start[role]) / wall, 3) for role in cpu_end if role in cpu_start}
     return {"tokens": tokens, "wall_s": span, "tok_s": tokens / span,
-            "api_cpu_share": shares_by_role.get("s0.api", float("nan")), "cpu_share": shares_by_role,
+            # The busiest API process (with several, the launcher is the idle root).
+            "api_cpu_share": max([v for k, v in shares_by_role.items() if k.startswith("s0.api")] or [float("nan")]),
+            "cpu_share": shares_by_role,
             "replica_samples": watch.samples, "replica_summary": replica_summary(watch.samples)}
 
 
@@ -296,6 +304,8 @@ def main() -> None:
     ap.add_argument("--pair", action="store_true",
                     help="also two separate one-replica servers (GPU 0, GPU 1) loaded at once, --clients each")
     ap.add_argument("--dp-backend", choices=["ray", "mp"], default="ray", help="the DP rows' replica backend")
+    ap.add_argument("--dp-api-servers", type=int, default=1,
+                    help="--api-server-count of the DP rows (more than 1 needs --dp-backend mp)")
     ap.add_argument("--servers", nargs="+", default=None,
                     help="run only these server rows (one_replica, dp2, dp2_double_load, two_servers, tp2)")
     ap.add_argument("--profile-dir", default=None, help="py-spy records of --profile-servers' loads go here")
@@ -318,7 +328,8 @@ def main() -> None:
         rows = {r["tp"]: r["decode_tok_s"] for r in tp_rows if r["batch"] == batch and r["all_reduce"] != "nccl"}
         if 1 in rows and 2 in rows:
             summary[f"tp2_over_tp1_batch_{batch}"] = rows[2] / rows[1]
-    dp = ["--data-parallel-size", "2", "--data-parallel-backend", args.dp_backend]
+    dp = ["--data-parallel-size", "2", "--data-parallel-backend", args.dp_backend,
+          "--api-server-count", str(args.dp_api_servers)]
     # (extra arguments, clients per server, servers): DP=2 under the same load, and (weak
     # scaling) under the one replica's load on each replica; two separate servers as loaded.
     servers = {"one_replica": ([], args.clients, 1), "dp2": (dp, args.clients, 1),

@@ -28,9 +28,12 @@ def endpoint(ipc_dir: str, name: str) -> str:
 _Socket = TypeVar("_Socket", bound=zmq.Socket)
 
 
-def socket(ctx: zmq.Context[_Socket], kind: int, address: str, bind: bool) -> _Socket:
+def socket(ctx: zmq.Context[_Socket], kind: int, address: str, bind: bool, identity: bytes | None = None) -> _Socket:
+    """`identity`: how a ROUTER peer addresses this socket (set before it connects)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
     if bind:
         sock.bind(address)
     else:

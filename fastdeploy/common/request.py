@@ -25,9 +25,17 @@ class AbortRequests(msgspec.Struct, array_like=True, tag=True):
 
 class AddRequest(msgspec.Struct, array_like=True, tag=True):
     request: EngineRequest
+    client: str  # the identity of the API process's output socket: its deltas go there
 
 
 EngineInput = AddRequest | AbortRequests
+
+
+class ClientHello(msgspec.Struct, array_like=True, tag=True):
+    """An API process's first message to an engine, on the output socket: the engine answers it
+    with `EngineReady` (or `EngineDead`) and from then on sends it its requests' outputs."""
+
+    client: str
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):

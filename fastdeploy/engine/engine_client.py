@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -19,11 +20,12 @@ import zmq
 import zmq.asyncio
 
 from fastdeploy.common.config import EngineConfig
-from fastdeploy.common.ipc import endpoint, make_ipc_dir, socket
+from fastdeploy.common.ipc import endpoint, make_ipc_dir, process_alive, socket
 from fastdeploy.common.limits import EngineLimits
 from fastdeploy.common.request import (
     AbortRequests,
     AddRequest,
+    ClientHello,
     EngineDead,
     EngineMessage,
     EngineOutputs,
@@ -54,6 +56,8 @@ class EngineStats:
     prefix_cache_hits: int
     spec_decode: SpecDecodeStats | None
 
+
+_CLIENT_NUMBERS = itertools.count()
 
 # The environment is the process's: data-parallel replicas start from several threads at once
 # (one `asyncio.to_thread` each), and each must spawn its engine with its own devices.
@@ -146,6 +150,31 @@ class LocalEngine:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class EngineAddresses:
+    """Where an engine that another process started listens, and its process id."""
+
+    in_address: str
+    out_address: str
+    pid: int
+
+
+class AttachedEngine:
+    """`EngineHandle` of an engine started and owned by another process (the launcher of a
+    server with several API processes): this process only connects to it, and never stops it."""
+
+    def __init__(self, addresses: EngineAddresses) -> None:
+        self.in_address = addresses.in_address
+        self.out_address = addresses.out_address
+        self.pid: int | None = addresses.pid
+
+    def alive(self) -> bool:
+        return self.pid is not None and process_alive(self.pid)
+
+    async def stop(self, timeout_s: float) -> None:
+        return None  # the launcher ends the engine with the server
+
+
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, launch: Callable[[EngineConfig], EngineHandle] = LocalEngine) -> None:
         """`launch` starts the engine process (a local child by default; a Ray actor's for a
@@ -166,6 +195,8 @@ class AsyncEngineClient:
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._output_task: asyncio.Task | None = None
         self.worker_pid: int | None = None
+        # Unique among the clients of one engine: API processes of a server share its engines.
+        self.client_id = f"{os.getpid()}.{next(_CLIENT_NUMBERS)}"
         self.ctx: zmq.asyncio.Context | None = None
 
     @property
@@ -185,7 +216,10 @@ class AsyncEngineClient:
         self.engine = await asyncio.to_thread(self._launch, self.config)
         self.ctx = zmq.asyncio.Context()
         self.in_sock = socket(self.ctx, zmq.PUSH, self.engine.in_address, bind=False)
-        self.out_sock = socket(self.ctx, zmq.PULL, self.engine.out_address, bind=False)
+        # The engine's output socket serves every API process: this one is known by its identity.
+        self.out_sock = socket(self.ctx, zmq.DEALER, self.engine.out_address, bind=False,
+                               identity=self.client_id.encode())
+        await self.out_sock.send(self._encoder.encode(ClientHello(self.client_id)))
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if await self.out_sock.poll(200):
@@ -236,7 +270,7 @@ class AsyncEngineClient:
         self._inboxes[request.request_id] = inbox
         finished = False
         try:
-            await self.in_sock.send(self._encoder.encode(AddRequest(request)))
+            await self.in_sock.send(self._encoder.encode(AddRequest(request, self.client_id)))
             while not finished:
                 for delta in await inbox.take():
                     finished = delta.finish_reason is not None

@@ -32,7 +32,14 @@ from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.limits import EngineLimits
 from fastdeploy.common.request import EngineRequest, RequestDelta
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
-from fastdeploy.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineStats, LocalEngine
+from fastdeploy.engine.engine_client import (
+    AsyncEngineClient,
+    AttachedEngine,
+    EngineAddresses,
+    EngineDeadError,
+    EngineStats,
+    LocalEngine,
+)
 
 if TYPE_CHECKING:
     from fastdeploy.engine.ray_engine import ReplicaPlacement
@@ -98,17 +105,23 @@ def replica_devices(config: EngineConfig, index: int) -> str | None:
 class ReplicaSet:
     """N replicas of the engine; the API server's client when --data-parallel-size > 1."""
 
-    def __init__(self, config: EngineConfig, size: int, backend: str = "mp", ray_address: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, size: int, backend: str = "mp", ray_address: str | None = None,
+                 attached: list[EngineAddresses] | None = None) -> None:
         """`backend`: "mp" runs the replicas as local processes (on CUDA, replica i on GPUs
         i*tp .. i*tp+tp-1); "ray" places each in a Ray placement-group bundle, on the cluster at
-        `ray_address` (or RAY_ADDRESS), or on a local Ray started for it."""
+        `ray_address` (or RAY_ADDRESS), or on a local Ray started for it. `attached`: the
+        replicas' engines were started by another process (a server's launcher, which also ends
+        the server when one exits): connect to them, and restart none."""
         if size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
         if backend not in DATA_PARALLEL_BACKENDS:
             raise ValueError(f"unknown --data-parallel-backend {backend!r}; expected one of {DATA_PARALLEL_BACKENDS}")
+        if attached is not None and len(attached) != size:
+            raise ValueError(f"{size} replicas, but {len(attached)} engines to attach to")
         self.config = config
         self.backend = backend
         self.ray_address = ray_address
+        self.attached = attached
         self._placement: ReplicaPlacement | None = None  # ray: the replicas' placement group, made in start()
         self.replicas = [Replica(i, self._make_client(i)) for i in range(size)]
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
@@ -118,6 +131,9 @@ class ReplicaSet:
         self._stopping = False
 
     def _make_client(self, index: int) -> AsyncEngineClient:
+        if self.attached is not None:
+            engine = self.attached[index]
+            return AsyncEngineClient(self.config, launch=lambda c: AttachedEngine(engine))
         if self.backend == "ray":
             from fastdeploy.engine.ray_engine import RayEngine
 
@@ -130,13 +146,14 @@ class ReplicaSet:
         return AsyncEngineClient(self.config, launch=lambda c: LocalEngine(c, visible_devices=devices))
 
     async def start(self) -> None:
-        if self.backend == "ray":
+        if self.backend == "ray" and self.attached is None:
             from fastdeploy.engine.ray_engine import ReplicaPlacement, connect_ray
 
             await asyncio.to_thread(connect_ray, self.ray_address)
             self._placement = await asyncio.to_thread(ReplicaPlacement, self.config, len(self.replicas))
         await asyncio.gather(*(r.client.start() for r in self.replicas))
-        self._monitor = asyncio.create_task(self._watch())
+        if self.attached is None:  # attached engines: their launcher ends the server when one exits
+            self._monitor = asyncio.create_task(self._watch())
 
     # The API server's view: one engine.
 

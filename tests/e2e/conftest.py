@@ -29,10 +29,13 @@ SERVERS = {
     # test_lifecycle.py: one server per test, each taken down by its test.
     "killed_worker_server": (("--max-num-seqs", "8", "--enable-keep-sampling-mask"), None),
     "sigterm_server": (("--max-num-seqs", "4"), None),
+    # test_api_processes.py: two API processes in front of one engine; the test takes it down.
+    "api_processes_server": (("--api-server-count", "2", "--max-num-seqs", "16", "--num-kv-blocks", "512"), None),
 }
 # A start-up keeps about one core busy: servers of one group start together, in pairs, and the
 # tests run once every server of the pair is healthy (nothing else is starting beside them).
-GROUPS = [("killed_worker_server", "sigterm_server"), ("server", "reasoning_server"), ("mask_server", "spec_server")]
+GROUPS = [("killed_worker_server", "sigterm_server"), ("server", "reasoning_server"), ("mask_server", "spec_server"),
+          ("api_processes_server",)]
 
 
 class ServerLauncher:

@@ -7,6 +7,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -14,16 +17,18 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from fastdeploy.common.config import EngineConfig
 from fastdeploy.common.errors import ParameterError
 from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.engine_client import AsyncEngineClient, EngineClient
+from fastdeploy.engine.engine_client import AsyncEngineClient, AttachedEngine, EngineAddresses, EngineClient
 from fastdeploy.engine.replicas import DATA_PARALLEL_BACKENDS, ReplicaSet
 from fastdeploy.entrypoints.openai.api_key_guard import APIKeyGuard
+from fastdeploy.entrypoints.openai.api_processes import listening_socket, run_api_processes
 from fastdeploy.entrypoints.openai.body_guard import BodyGuard
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_message
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fastdeploy.api_server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+ENGINE_SERIES_INTERVAL_S = 1.0  # with several API processes: how often the engines' series are set
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -59,6 +65,11 @@ def make_parser() -> argparse.ArgumentParser:
                              "replicas as Ray actors in a placement group (pip install ray)")
     parser.add_argument("--ray-address", default=None,
                         help="Ray cluster to place replicas on (default: RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="HTTP processes sharing the port, each reaching every engine replica: streaming "
+                             "costs one socket write per chunk and stream, and one process's core caps a server "
+                             "whose replicas outrun it (with more than 1, replicas run as local processes and a "
+                             "replica that exits stops the server)")
     return EngineArgs.add_cli_args(parser)
 
 
@@ -78,18 +89,44 @@ def _load_tokenizer(model: str | None, tokenizer: str | None) -> PreTrainedToken
     return get_tokenizer(model, tokenizer)
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
-    engine_args = EngineArgs.from_cli_args(args)
-    transport_limits = TransportLimits.from_cli_args(args)
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
-        config = engine_args.create_engine_config()
+        return EngineArgs.from_cli_args(args).create_engine_config()
     except ValueError as exc:  # flags that do not go together: a usage error, not a traceback
         raise SystemExit(f"fastdeploy serve: {exc}") from None
+
+
+def _engine_client(args: argparse.Namespace, config: EngineConfig,
+                   engines: list[EngineAddresses] | None) -> EngineClient:
+    """The API process's way to its engines: started here, or (`engines`) by the launcher."""
+    replicas = args.data_parallel_size
+    if replicas > 1:
+        return ReplicaSet(config, replicas, args.data_parallel_backend, args.ray_address, attached=engines)
+    if engines is not None:
+        return AsyncEngineClient(config, launch=lambda c: AttachedEngine(engines[0]))
+    return AsyncEngineClient(config)
+
+
+def build_app(args: argparse.Namespace, engines: list[EngineAddresses] | None = None,
+              api_index: int = 0) -> FastAPI:
+    """`engines`: the launcher started them and this is API process `api_index` of several."""
+    transport_limits = TransportLimits.from_cli_args(args)
+    config = engine_config(args)
     names = served_names(args)
-    metrics = ServerMetrics(replicas=args.data_parallel_size)
-    client: EngineClient = (ReplicaSet(config, args.data_parallel_size, args.data_parallel_backend, args.ray_address)
-                            if args.data_parallel_size > 1 else AsyncEngineClient(config))
+    several = engines is not None
+    metrics = ServerMetrics(replicas=args.data_parallel_size, multiprocess=several)
+    # One API process sets the engines' series (each would add their counters' growth again).
+    sets_engine_series = api_index == 0
+    client = _engine_client(args, config, engines)
     state: dict = {}
+
+    async def refresh_engine_series() -> None:
+        # Several API processes: a scrape reaches any of them, so the series are kept current
+        # here instead of at each scrape.
+        while True:
+            await asyncio.sleep(ENGINE_SERIES_INTERVAL_S)
+            for replica, stats, up in client.engine_stats():
+                metrics.update_engine(stats, replica, up)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,11 +139,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         state["chat"] = OpenAIServingChat(client, tokenizer, names, metrics)
         state["completion"] = OpenAIServingCompletion(client, tokenizer, names, metrics)
         settle_collector("api server")
-        logger.info("serving %s on http://%s:%d (%.1f s after launch)", names[0], args.host, args.port,
-                    seconds_since_launch())
+        logger.info("serving %s on http://%s:%d (%.1f s after launch%s)", names[0], args.host, args.port,
+                    seconds_since_launch(), f", API process {api_index}" if several else "")
+        refresh = asyncio.create_task(refresh_engine_series()) if several and sets_engine_series else None
         try:
             yield
         finally:
+            if refresh is not None:
+                refresh.cancel()
             await client.shutdown()
 
     app = FastAPI(title="fastdeploy", lifespan=lifespan)
@@ -155,9 +195,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        for replica, stats, up in client.engine_stats():
-            metrics.update_engine(stats, replica, up)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if not several:
+            for replica, stats, up in client.engine_stats():
+                metrics.update_engine(stats, replica, up)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -178,8 +219,32 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.api_server_count < 1:
+        raise SystemExit(f"fastdeploy serve: --api-server-count must be at least 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if args.data_parallel_size > 1 and args.data_parallel_backend != "mp":
+            raise SystemExit("fastdeploy serve: --api-server-count > 1 runs the replicas as local processes; "
+                             "use --data-parallel-backend mp")
+        sys.exit(run_api_processes(args, engine_config(args), serve_api_process))
     uvicorn.run(build_app(args), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
+
+
+def serve_api_process(args: argparse.Namespace, engines: list[EngineAddresses], index: int) -> None:
+    """One of a server's API processes (spawned by the launcher, `api_processes.py`): listens on
+    the server's port beside the others; ends with the launcher."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(name)s[api {index}] %(levelname)s %(message)s")
+    launcher = os.getppid()
+
+    def watch_launcher() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop
+
+    threading.Thread(target=watch_launcher, name="launcher-watch", daemon=True).start()
+    config = uvicorn.Config(build_app(args, engines, index), log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[listening_socket(args.host, args.port)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,10 @@ counters come from each replica, and each request's counters from the replica th
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 from fastdeploy.engine.engine_client import EngineStats
@@ -34,19 +37,28 @@ class RequestSeries:
 
 
 class ServerMetrics:
-    def __init__(self, replicas: int = 1) -> None:
-        """`replicas` > 1: every series gets a `replica` label."""
+    def __init__(self, replicas: int = 1, multiprocess: bool = False) -> None:
+        """`replicas` > 1: every series gets a `replica` label. `multiprocess`: one of several API
+        processes of a server (`--api-server-count`, Prometheus' multiprocess mode, set up by the
+        launcher before this process imported prometheus_client): /metrics sums the request
+        series of all of them; the engines' series are set by one process (the gauges keep its
+        latest value)."""
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
         r = self.registry
         self.by_replica = replicas > 1
         per = ["replica"] if self.by_replica else []
+        mode: Literal["mostrecent"] = "mostrecent"  # of a gauge, in multiprocess mode; ignored otherwise
         self.requests = Counter("fastdeploy_requests", "Finished sequences by finish reason",
                                 ["finish_reason", *per], registry=r)
         self.prompt_tokens = Counter("fastdeploy_prompt_tokens", "Prompt tokens received", per, registry=r)
         self.generation_tokens = Counter("fastdeploy_generation_tokens", "Tokens generated", per, registry=r)
-        self.running = Gauge("fastdeploy_num_requests_running", "Sequences in the running batch", per, registry=r)
-        self.waiting = Gauge("fastdeploy_num_requests_waiting", "Sequences queued for admission", per, registry=r)
-        self.kv_usage = Gauge("fastdeploy_kv_cache_usage_ratio", "Fraction of KV blocks in use", per, registry=r)
+        self.running = Gauge("fastdeploy_num_requests_running", "Sequences in the running batch", per, registry=r,
+                             multiprocess_mode=mode)
+        self.waiting = Gauge("fastdeploy_num_requests_waiting", "Sequences queued for admission", per, registry=r,
+                             multiprocess_mode=mode)
+        self.kv_usage = Gauge("fastdeploy_kv_cache_usage_ratio", "Fraction of KV blocks in use", per, registry=r,
+                              multiprocess_mode=mode)
         self.ttft = Histogram("fastdeploy_time_to_first_token_seconds", "Arrival to first token", per,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("fastdeploy_inter_token_latency_seconds", "Time between consecutive token deltas",
@@ -56,19 +68,28 @@ class ServerMetrics:
         self.spec_accepted_tokens = Counter("fastdeploy_spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                             per, registry=r)
         self.spec_acceptance_rate = Gauge("fastdeploy_spec_decode_draft_acceptance_rate",
-                                          "Accepted / verified draft tokens since start", per, registry=r)
+                                          "Accepted / verified draft tokens since start", per, registry=r,
+                                          multiprocess_mode=mode)
         self.spec_mean_accepted_length = Gauge("fastdeploy_spec_decode_mean_accepted_length",
                                                "Tokens emitted per sequence per verifying step since start",
-                                               per, registry=r)
+                                               per, registry=r, multiprocess_mode=mode)
         self.prefix_cache_queries = Counter("fastdeploy_prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache", per, registry=r)
         self.prefix_cache_hits = Counter("fastdeploy_prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache", per, registry=r)
         self.replica_up = (Gauge("fastdeploy_replica_up", "1 while the replica serves, 0 while it is down",
-                                 per, registry=r) if self.by_replica else None)
+                                 per, registry=r, multiprocess_mode=mode) if self.by_replica else None)
         # Counter totals already exported, per replica (None: the single engine).
         self._spec_seen: dict[int | None, SpecDecodeStats] = {}
         self._prefix_seen: dict[int | None, tuple[int, int]] = {}
+
+    def exposition(self) -> bytes:
+        """The text format of every series (of all API processes, in multiprocess mode)."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        summed = CollectorRegistry()
+        MultiProcessCollector(summed)
+        return generate_latest(summed)
 
     def labelled(self, replica: int | None):
         """metric -> its series for `replica` (the metric itself without replica labels)."""
