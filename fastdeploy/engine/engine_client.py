@@ -219,7 +219,16 @@ class AsyncEngineClient:
         # The engine's output socket serves every API process: this one is known by its identity.
         self.out_sock = socket(self.ctx, zmq.DEALER, self.engine.out_address, bind=False,
                                identity=self.client_id.encode())
-        await self.out_sock.send(self._encoder.encode(ClientHello(self.client_id)))
+        try:
+            await self.out_sock.send(self._encoder.encode(ClientHello(self.client_id)))
+            await self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self._close_sockets()  # a failed start leaves no socket open (a context with one never ends)
+            raise
+        self._output_task = asyncio.create_task(self._route_outputs())
+
+    async def _wait_ready(self, startup_timeout_s: float) -> None:
+        assert self.engine is not None
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if await self.out_sock.poll(200):
@@ -233,7 +242,6 @@ class AsyncEngineClient:
                 raise EngineDeadError("engine process exited during start-up")
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"engine not ready after {startup_timeout_s:.0f} s")
-        self._output_task = asyncio.create_task(self._route_outputs())
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
@@ -290,7 +298,11 @@ class AsyncEngineClient:
             self._output_task.cancel()
         if self.engine is not None:
             await self.engine.stop(timeout_s)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         if self.ctx is not None:
             self.in_sock.close()
             self.out_sock.close()
             self.ctx.term()
+            self.ctx = None

@@ -130,17 +130,20 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out: OutputSocket, ready: Engi
     last_sent = 0.0
     last_logged = time.monotonic()
 
-    def send_outputs(deltas: list[RequestDelta]) -> None:
-        nonlocal last_sent
+    def outputs(deltas: list[RequestDelta]) -> EngineOutputs:
         blocks = core.block_manager
         spec = core.spec_stats if core.config.speculative is not None else None
+        return EngineOutputs(deltas, core.num_running, core.num_waiting, blocks.usage, spec, blocks.query_tokens,
+                             blocks.hit_tokens)
+
+    def send_outputs(deltas: list[RequestDelta]) -> None:
+        nonlocal last_sent
         now = time.monotonic()
         per_client = out.routes.split(deltas)
         # Each API process hears of its own requests; all of them of the gauges, once a second.
         refresh = now - last_sent > GAUGE_INTERVAL_S
         for identity in out.routes.clients if refresh else list(per_client):
-            out.send(identity, EngineOutputs(per_client.get(identity, []), core.num_running, core.num_waiting,
-                                             blocks.usage, spec, blocks.query_tokens, blocks.hit_tokens))
+            out.send(identity, outputs(per_client.get(identity, [])))
         if refresh:
             last_sent = now
 
@@ -157,9 +160,8 @@ def _serve(core: EngineCore, in_sock: zmq.Socket, out: OutputSocket, ready: Engi
                 request_id = message.request.request_id
                 sender = message.client.encode()
                 if not out.routes.claim(request_id, sender):
-                    out.send(sender, EngineOutputs([RequestDelta(
-                        request_id, [], finish_reason="error", error=f"request id {request_id!r} is already running",
-                        error_status=400)], core.num_running, core.num_waiting, core.block_manager.usage))
+                    out.send(sender, outputs([RequestDelta(request_id, [], finish_reason="error", error_status=400,
+                                                           error=f"request id {request_id!r} is already running")]))
                     continue
                 try:
                     core.add_request(message.request)
