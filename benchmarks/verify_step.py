@@ -20,11 +20,13 @@ the host's. Writes benchmarks/results/verify_step.json (or `--name`) and a PNG.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -62,7 +64,9 @@ def forced_drafts(self: NgramProposer, context, max_drafts: int) -> list[int]:
     return [int(context[-1])] * max_drafts
 
 
-def measure(llm: LLM, batch: int, tokens: int, reps: int) -> dict:
+@contextlib.contextmanager
+def counted_steps(llm: LLM) -> Iterator[list[int]]:
+    """[engine steps taken] while inside."""
     steps = [0]
     step = llm.engine.step
 
@@ -71,19 +75,28 @@ def measure(llm: LLM, batch: int, tokens: int, reps: int) -> dict:
         return step(*args, **kwargs)
 
     llm.engine.step = counting  # type: ignore[method-assign]
-    prompts = [{"prompt_token_ids": list(range(100 + b, 164 + b))} for b in range(batch)]
+    try:
+        yield steps
+    finally:
+        llm.engine.step = step  # type: ignore[method-assign]
+
+
+def prompts(batch: int) -> list[dict]:
+    return [{"prompt_token_ids": list(range(100 + b, 164 + b))} for b in range(batch)]
+
+
+def measure(llm: LLM, batch: int, tokens: int, reps: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up: every shape the timed runs reach
+    llm.generate(prompts(batch), params)  # warm-up: every shape the timed runs reach
     best = None
     for _ in range(reps):
-        steps[0] = 0
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        wall = time.perf_counter() - start
+        with counted_steps(llm) as steps:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts(batch), params)
+            wall = time.perf_counter() - start
         made = sum(len(o.outputs[0].token_ids) for o in outputs)
         row = {"batch": batch, "steps": steps[0], "ms_per_step": 1e3 * wall / steps[0], "tok_s": made / wall}
         best = row if best is None or row["ms_per_step"] < best["ms_per_step"] else best
-    llm.engine.step = step  # type: ignore[method-assign]
     assert best is not None
     return best
 
@@ -91,18 +104,8 @@ def measure(llm: LLM, batch: int, tokens: int, reps: int) -> dict:
 def device_ms_per_step(llm: LLM, batch: int, tokens: int) -> float:
     from torch.profiler import ProfilerActivity, profile
 
-    steps = [0]
-    step = llm.engine.step
-
-    def counting(*args, **kwargs):
-        steps[0] += 1
-        return step(*args, **kwargs)
-
-    llm.engine.step = counting  # type: ignore[method-assign]
-    prompts = [{"prompt_token_ids": list(range(100 + b, 164 + b))} for b in range(batch)]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    llm.engine.step = step  # type: ignore[method-assign]
+    with counted_steps(llm) as steps, profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts(batch), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     return device_profile(prof.events(), steps[0])["busy_ms"]
 
 
