@@ -65,9 +65,12 @@ def run_api_processes(args: argparse.Namespace, config: EngineConfig, api_main: 
     count = args.api_server_count
     replicas = args.data_parallel_size
     try:  # the address is free (or only held by sockets that share it): said here, not by N processes
-        listening_socket(args.host, args.port, listen=False).close()
+        # Held (bound, not listening: it takes no connections) while the server runs, so that
+        # `--port 0` picks one port for every API process.
+        reserved = listening_socket(args.host, args.port, listen=False)
     except OSError as exc:
         raise SystemExit(f"fastdeploy serve: cannot listen on {args.host}:{args.port}: {exc}") from None
+    args.port = reserved.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="fastdeploy-metrics-")
     os.environ[METRICS_DIR_ENV] = metrics_dir  # the spawned API processes inherit it
     stopping = False
@@ -103,6 +106,7 @@ def run_api_processes(args: argparse.Namespace, config: EngineConfig, api_main: 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop(api, engines)
+        reserved.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 1 if failed is not None else 0
 
