@@ -148,6 +148,28 @@ def sampling_metadata(states: list[WorkerSequence], logprobs_mode: str, device: 
     )
 
 
+class SamplingMetadataCache:
+    """The last step's sampling inputs, given again while the same rows (the same sequences, in
+    the same order) are sampled: a decode batch usually is, step after step, and then its inputs
+    have not changed, so the host neither builds nor copies them. Only for rows without penalties
+    (their token histories grow every step); the caller checks that."""
+
+    def __init__(self) -> None:
+        self._states: list[WorkerSequence] = []  # held: a freed sequence's id is not reused meanwhile
+        self._mode = ""
+        self._metadata: SamplingMetadata | None = None
+
+    def get(self, states: list[WorkerSequence], logprobs_mode: str, device: torch.device) -> SamplingMetadata:
+        """`sampling_metadata(states, ...)`, as a copy the caller may set fields of (a step's bitmask)."""
+        same = (self._metadata is not None and logprobs_mode == self._mode and len(states) == len(self._states)
+                and all(a is b for a, b in zip(states, self._states, strict=True)))
+        if not same:
+            self._metadata = sampling_metadata(states, logprobs_mode, device)
+            self._states, self._mode = list(states), logprobs_mode
+        assert self._metadata is not None
+        return dataclasses.replace(self._metadata)
+
+
 def _padded(rows: list[list[int]]) -> np.ndarray:
     """int64 [len(rows), width], right-padded with -1."""
     width = max(1, max(len(r) for r in rows))

@@ -127,6 +127,7 @@ class ModelRunner:
         self._after_frame: Callable[[], None] | None = None
         self._after_frame_error: BaseException | None = None
         self._next_draft_cap: int | None = None  # drafts the step after the running one may take
+        self._metadata_cache = input_prep.SamplingMetadataCache()  # a decode batch's unchanged sampling inputs
         # Called with a step finished early, inside the launch of the step behind it (a grammar
         # or a penalty reads its tokens): the worker process sends its frame from there, so the
         # engine takes it in while this rank still fills bitmasks and launches the sampler.
@@ -233,8 +234,8 @@ class ModelRunner:
         # Without penalties the metadata reads none of the tokens the step ahead samples: it is
         # built now, while the device still runs that step. (A grammar's bitmask, which reads
         # them too, is filled after.)
-        metadata = None if penalised else input_prep.sampling_metadata(sampled_states, self.config.logprobs_mode,
-                                                                       self.device)
+        metadata = None if penalised else self._metadata_cache.get(sampled_states, self.config.logprobs_mode,
+                                                                    self.device)
         if ahead is not None and ahead.unfinished and (penalised or self._tracks_grammar(seq_ids)):
             # A grammar to advance or a penalty history to extend: the step ahead is finished
             # now, while the device runs this step's forward pass, instead of after it.
