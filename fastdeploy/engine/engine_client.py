@@ -175,6 +175,11 @@ class AttachedEngine:
         return None  # the launcher ends the engine with the server
 
 
+def attached_client(config: EngineConfig, engine: EngineAddresses) -> AsyncEngineClient:
+    """A client of an engine that another process started (`AttachedEngine`)."""
+    return AsyncEngineClient(config, launch=lambda c: AttachedEngine(engine))
+
+
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, launch: Callable[[EngineConfig], EngineHandle] = LocalEngine) -> None:
         """`launch` starts the engine process (a local child by default; a Ray actor's for a

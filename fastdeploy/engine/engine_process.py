@@ -51,10 +51,9 @@ class OutputSocket:
         self.routes = ClientRoutes()
         self._hello = msgspec.msgpack.Decoder(ClientHello)
 
-    def answer_hellos(self, reply: EngineReady | EngineDead, timeout_ms: int = 0) -> int:
+    def answer_hellos(self, reply: EngineReady | EngineDead, timeout_ms: int = 0) -> None:
         """Register the API processes that said hello and send each `reply`; waits up to
-        `timeout_ms` for the first. Returns how many were answered."""
-        answered = 0
+        `timeout_ms` for the first."""
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
             identity, payload = self.sock.recv_multipart()
@@ -65,8 +64,6 @@ class OutputSocket:
                 continue
             self.routes.add_client(identity)
             self.sock.send_multipart([identity, self.encoder.encode(reply)])
-            answered += 1
-        return answered
 
     def send(self, client: bytes, message: EngineOutputs | EngineDead) -> None:
         self.sock.send_multipart([client, self.encoder.encode(message)])

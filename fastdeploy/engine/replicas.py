@@ -34,11 +34,11 @@ from fastdeploy.common.request import EngineRequest, RequestDelta
 from fastdeploy.common.spec_decode_stats import SpecDecodeStats
 from fastdeploy.engine.engine_client import (
     AsyncEngineClient,
-    AttachedEngine,
     EngineAddresses,
     EngineDeadError,
     EngineStats,
     LocalEngine,
+    attached_client,
 )
 
 if TYPE_CHECKING:
@@ -132,8 +132,7 @@ class ReplicaSet:
 
     def _make_client(self, index: int) -> AsyncEngineClient:
         if self.attached is not None:
-            engine = self.attached[index]
-            return AsyncEngineClient(self.config, launch=lambda c: AttachedEngine(engine))
+            return attached_client(self.config, self.attached[index])
         if self.backend == "ray":
             from fastdeploy.engine.ray_engine import RayEngine
 

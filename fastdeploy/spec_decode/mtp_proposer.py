@@ -28,6 +28,8 @@ from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadat
 from fastdeploy.spec_decode.mtp_pass import MTPPass
 
 PrepareInputs = Callable[[list[ChunkInput], dict], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]]
+# Writes the in-flight token of each (input row, seq_id) slot into the input ids, on the device.
+FillInFlight = Callable[[torch.Tensor, list[tuple[int, int]]], None]
 
 
 @dataclass
@@ -40,9 +42,8 @@ class MTPWork:
     hidden_rows: list[int]  # row of hidden j-1 in the step's target hidden states; -1: zeros
     block_ids: list[int]
     draft: bool  # the last pair is the sequence's newest token: draft after it
-    # The last pair's token is still on the device: its row in the step's sampled tokens (its
-    # entry in `tokens` is a placeholder); -1: every token is known on the host.
-    sampled_row: int = -1
+    # The last pair's token is still on the device (its entry in `tokens` is a placeholder).
+    in_flight: bool = False
 
 
 @dataclass
@@ -74,12 +75,12 @@ class MTPProposer:
         self.prepare_inputs = prepare_inputs
 
     def propose(self, work: list[MTPWork], step_hidden: torch.Tensor, max_drafts: int | None = None,
-                sampled_tokens: torch.Tensor | None = None) -> PendingDrafts:
+                fill_in_flight: FillInFlight | None = None) -> PendingDrafts:
         """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence
         (k: `max_drafts` where given, at most the configured number). The first pass runs even
         for k = 0: it brings the module's K/V up to the accepted tokens, which later drafts need;
-        for k = 0 it drafts nothing (`MTPPass.fill`). `sampled_tokens`: the step's sampled
-        tokens on the device, which work with a `sampled_row` reads."""
+        for k = 0 it drafts nothing (`MTPPass.fill`). `fill_in_flight`: where work `in_flight`
+        reads its last token."""
         device = step_hidden.device
         k = self.num_speculative_tokens
         work = [w for w in work if w.tokens]
@@ -92,20 +93,17 @@ class MTPProposer:
         chunks = [ChunkInput(w.seq_id, w.tokens, w.start, w.block_ids, w.seq_id in as_rows) for w in work]
         input_ids, positions, meta, _ = self.prepare_inputs(chunks, as_rows)
         drafting, draft_rows, row = [], [], 0
-        from_device: list[tuple[int, int]] = []  # (input row, sampled row)
+        in_flight: list[tuple[int, int]] = []  # (input row, seq_id)
         for w in work:
             row += len(w.tokens)
             if w.draft:
                 drafting.append(w)
                 draft_rows.append(row - 1)
-            if w.sampled_row >= 0:
-                from_device.append((row - 1, w.sampled_row))
-        if from_device:
-            assert sampled_tokens is not None, "work reads sampled tokens that were not given"
-            rows_d, sampled_d = upload_int64([[r for r, _ in from_device], [s for _, s in from_device]], device)
-            # A token the kept-set kernel left unsettled (redrawn later, rare) is a negative
-            # marker: clamped, it only makes this pair's K/V, and so a later draft, worse.
-            input_ids[rows_d] = sampled_tokens[sampled_d].clamp(min=0)
+            if w.in_flight:
+                in_flight.append((row - 1, w.seq_id))
+        if in_flight:
+            assert fill_in_flight is not None, "work reads in-flight tokens that nothing gives"
+            fill_in_flight(input_ids, in_flight)
         hidden_rows_d, draft_rows_d = upload_int64([[r for w in work for r in w.hidden_rows], draft_rows], device)
         prev = step_hidden.index_select(0, hidden_rows_d.clamp(min=0))
         prev = torch.where((hidden_rows_d >= 0).unsqueeze(1), prev, 0)

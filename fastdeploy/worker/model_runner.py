@@ -266,8 +266,9 @@ class ModelRunner:
             # The next step runs before this one's tokens reach the host (and may overwrite its
             # hidden states): the MTP module takes this step in now, its tokens from the device.
             # The engine follows only a step without drafts by one without drafts.
-            assert not drafts and self._next_draft_cap == 0, "a followed step neither verifies nor drafts"
-            self.mtp.feed_in_flight(chunks, hidden, seq_ids, sampled.sampled_token_ids, self.sequences)
+            assert self._last_sampled is not None and self._next_draft_cap == 0, \
+                "a followed step neither verifies nor drafts"
+            self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences)
         done = None
         if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()

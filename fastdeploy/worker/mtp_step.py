@@ -17,6 +17,7 @@ from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.spec_decode.mtp_pass import MTPPass
 from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.worker.graph_capture import DecodeShape
+from fastdeploy.worker.in_flight_step import SampledTokens
 from fastdeploy.worker.input_prep import prepare_inputs
 from fastdeploy.worker.sequence_state import WorkerSequence
 
@@ -48,24 +49,24 @@ class MTPStep:
              ) -> None:
         """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts (at most
         `max_drafts`, where given) for the next step."""
-        work = self._work(chunks, accepted, drafts, sequences, {})
+        work = self._work(chunks, accepted, drafts, sequences, in_flight=False)
         # Read back when the next step needs them: meanwhile the GPU runs the passes.
         self._pending = (self.proposer.propose(work, hidden, max_drafts), [c.seq_id for c in chunks if c.sample])
 
-    def feed_in_flight(self, chunks: list[ChunkInput], hidden: torch.Tensor, sampled_seq_ids: list[int],
-                       sampled_tokens: torch.Tensor, sequences: dict[int, WorkerSequence]) -> None:
+    def feed_in_flight(self, chunks: list[ChunkInput], hidden: torch.Tensor, sampled: SampledTokens,
+                       sequences: dict[int, WorkerSequence]) -> None:
         """`feed` for a step without drafts whose successor launches before its tokens reach the
         host (asynchronous scheduling; the engine announces cap 0 for that successor): each
-        sampled chunk's newest token is read from `sampled_tokens` on the device, and the step's
+        sampled chunk's newest token is read from `sampled` on the device, and the step's
         hidden states are read now, before the next forward pass reuses their memory."""
-        rows = {seq_id: row for row, seq_id in enumerate(sampled_seq_ids)}
-        work = self._work(chunks, dict.fromkeys(sampled_seq_ids, 1), {}, sequences, rows)
-        self._pending = (self.proposer.propose(work, hidden, 0, sampled_tokens), list(sampled_seq_ids))
+        work = self._work(chunks, dict.fromkeys(sampled.seq_ids, 1), {}, sequences, in_flight=True)
+        fill = functools.partial(sampled.fill, device=hidden.device)
+        self._pending = (self.proposer.propose(work, hidden, 0, fill), list(sampled.seq_ids))
 
     def _work(self, chunks: list[ChunkInput], accepted: dict[int, int], drafts: dict[int, list[int]],
-              sequences: dict[int, WorkerSequence], sampled_rows: dict[int, int]) -> list[MTPWork]:
-        """The step's new pairs per chunk. `sampled_rows`: sequences whose newest token is not
-        on the host yet, and its row in the step's sampled tokens."""
+              sequences: dict[int, WorkerSequence], in_flight: bool) -> list[MTPWork]:
+        """The step's new pairs per chunk. `in_flight`: the sampled chunks' newest tokens are
+        not on the host yet."""
         work = []
         offset = 0  # flat index of the chunk's first token in `hidden`
         for chunk in chunks:
@@ -78,12 +79,13 @@ class MTPStep:
                 first = 0 if start == 0 else start + 1
                 newest = start + valid
                 last = min(newest, len(chunk.block_ids) * self.block_size - 1)  # only reserved slots
-                sampled_row = sampled_rows.get(chunk.seq_id, -1) if chunk.sample and last == newest else -1
-                tokens = (state.token_range(first, last + 1) if sampled_row < 0
-                          else state.token_range(first, last) + [0])  # the placeholder is read on the device
+                newest_pair = chunk.sample and last == newest
+                on_device = in_flight and newest_pair
+                tokens = (state.token_range(first, last) + [0] if on_device  # the placeholder is read on the device
+                          else state.token_range(first, last + 1))
                 hidden_rows = [-1 if j == 0 else offset + j - 1 - start for j in range(first, last + 1)]
-                work.append(MTPWork(chunk.seq_id, first, tokens, hidden_rows, chunk.block_ids,
-                                    chunk.sample and last == newest, sampled_row))
+                work.append(MTPWork(chunk.seq_id, first, tokens, hidden_rows, chunk.block_ids, newest_pair,
+                                    on_device))
             offset += n
         return work
 

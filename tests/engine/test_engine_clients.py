@@ -12,10 +12,10 @@ from fastdeploy.common.request import EngineRequest
 from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.engine.engine_client import (
     AsyncEngineClient,
-    AttachedEngine,
     EngineAddresses,
     EngineDeadError,
     LocalEngine,
+    attached_client,
 )
 from tests.random_qwen2 import save_random_qwen2
 
@@ -40,8 +40,7 @@ async def _tokens(client: AsyncEngineClient, request: EngineRequest) -> tuple[li
 
 
 def _attached(config: EngineConfig, engine: LocalEngine) -> AsyncEngineClient:
-    addresses = EngineAddresses(engine.in_address, engine.out_address, engine.process.pid or 0)
-    return AsyncEngineClient(config, launch=lambda c: AttachedEngine(addresses))
+    return attached_client(config, EngineAddresses(engine.in_address, engine.out_address, engine.process.pid or 0))
 
 
 def test_each_client_gets_its_own_requests_tokens(tmp_path):

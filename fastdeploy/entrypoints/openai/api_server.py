@@ -25,7 +25,7 @@ from fastdeploy.common.errors import ParameterError
 from fastdeploy.common.launch_clock import seconds_since_launch
 from fastdeploy.common.startup_heap import settle_collector
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.engine_client import AsyncEngineClient, AttachedEngine, EngineAddresses, EngineClient
+from fastdeploy.engine.engine_client import AsyncEngineClient, EngineAddresses, EngineClient, attached_client
 from fastdeploy.engine.replicas import DATA_PARALLEL_BACKENDS, ReplicaSet
 from fastdeploy.entrypoints.openai.api_key_guard import APIKeyGuard
 from fastdeploy.entrypoints.openai.api_processes import listening_socket, run_api_processes
@@ -103,7 +103,7 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig,
     if replicas > 1:
         return ReplicaSet(config, replicas, args.data_parallel_backend, args.ray_address, attached=engines)
     if engines is not None:
-        return AsyncEngineClient(config, launch=lambda c: AttachedEngine(engines[0]))
+        return attached_client(config, engines[0])
     return AsyncEngineClient(config)
 
 
@@ -115,8 +115,6 @@ def build_app(args: argparse.Namespace, engines: list[EngineAddresses] | None = 
     names = served_names(args)
     several = engines is not None
     metrics = ServerMetrics(replicas=args.data_parallel_size, multiprocess=several)
-    # One API process sets the engines' series (each would add their counters' growth again).
-    sets_engine_series = api_index == 0
     client = _engine_client(args, config, engines)
     state: dict = {}
 
@@ -141,7 +139,8 @@ def build_app(args: argparse.Namespace, engines: list[EngineAddresses] | None = 
         settle_collector("api server")
         logger.info("serving %s on http://%s:%d (%.1f s after launch%s)", names[0], args.host, args.port,
                     seconds_since_launch(), f", API process {api_index}" if several else "")
-        refresh = asyncio.create_task(refresh_engine_series()) if several and sets_engine_series else None
+        # One API process sets the engines' series (each would add their counters' growth again).
+        refresh = asyncio.create_task(refresh_engine_series()) if several and api_index == 0 else None
         try:
             yield
         finally:
