@@ -74,6 +74,21 @@ class MTPProposer:
         self.block_size = block_size
         self.prepare_inputs = prepare_inputs
 
+    def fill_after_decode(self, step_hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                          meta: AttentionMetadata, slots: list[int]) -> None:
+        """The MTP cache's pairs of a decode step without drafts, none drafted: row i of the step
+        (position p, hidden row i) gives pair p+1 = (hidden i, token i of `tokens`, which the
+        step sampled and the host has not seen), in the same blocks at `slots`. Everything but
+        the slots is derived on the device from the step's own inputs."""
+        (slot_mapping,) = upload_int64([slots], step_hidden.device)
+        shifted = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=meta.num_decode_tokens,
+                                    decode_block_tables=meta.decode_block_tables,
+                                    decode_context_lens=meta.decode_context_lens + 1, prefills=[],
+                                    block_size=meta.block_size)
+        # An unsettled row's negative marker is clamped as `SampledTokens.fill` does; the step
+        # behind it is run again once that row is redrawn.
+        self.mtp_pass.fill(tokens.clamp(min=0), step_hidden, positions + 1, shifted)
+
     def propose(self, work: list[MTPWork], step_hidden: torch.Tensor, max_drafts: int | None = None,
                 fill_in_flight: FillInFlight | None = None) -> PendingDrafts:
         """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence

@@ -268,7 +268,7 @@ class ModelRunner:
             # The engine follows only a step without drafts by one without drafts.
             assert self._last_sampled is not None and self._next_draft_cap == 0, \
                 "a followed step neither verifies nor drafts"
-            self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences)
+            self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
         done = None
         if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()

@@ -11,6 +11,7 @@ import torch
 from fastdeploy.common.config import EngineConfig, ModelConfig
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.model_executor.cuda_graph import DecodeBuffers
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
@@ -54,14 +55,37 @@ class MTPStep:
         self._pending = (self.proposer.propose(work, hidden, max_drafts), [c.seq_id for c in chunks if c.sample])
 
     def feed_in_flight(self, chunks: list[ChunkInput], hidden: torch.Tensor, sampled: SampledTokens,
-                       sequences: dict[int, WorkerSequence]) -> None:
+                       sequences: dict[int, WorkerSequence], positions: torch.Tensor, meta: AttentionMetadata
+                       ) -> None:
         """`feed` for a step without drafts whose successor launches before its tokens reach the
         host (asynchronous scheduling; the engine announces cap 0 for that successor): each
         sampled chunk's newest token is read from `sampled` on the device, and the step's
-        hidden states are read now, before the next forward pass reuses their memory."""
-        work = self._work(chunks, dict.fromkeys(sampled.seq_ids, 1), {}, sequences, in_flight=True)
-        fill = functools.partial(sampled.fill, device=hidden.device)
-        self._pending = (self.proposer.propose(work, hidden, 0, fill), list(sampled.seq_ids))
+        hidden states are read now, before the next forward pass reuses their memory.
+        `positions` and `meta`: the step's own inputs on the device."""
+        seq_ids = list(sampled.seq_ids)
+        slots = self._next_slots(chunks, seq_ids)
+        if slots is not None and not meta.prefills:
+            # A pure decode step: its pairs follow from its own inputs on the device.
+            self.proposer.fill_after_decode(hidden, sampled.tokens, positions, meta, slots)
+        else:
+            work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
+            self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
+        self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
+
+    def _next_slots(self, chunks: list[ChunkInput], seq_ids: list[int]) -> list[int] | None:
+        """The cache slot of each row's next position, where the step is one token per sampled
+        row in the sampler's row order (`seq_ids`) and every such slot is reserved; else None."""
+        if len(chunks) != len(seq_ids):
+            return None
+        bs = self.block_size
+        slots = []
+        for chunk, seq_id in zip(chunks, seq_ids, strict=True):
+            position = chunk.start + 1
+            if (chunk.seq_id != seq_id or len(chunk.token_ids) != 1 or chunk.start == 0
+                    or position >= len(chunk.block_ids) * bs):
+                return None
+            slots.append(chunk.block_ids[position // bs] * bs + position % bs)
+        return slots
 
     def _work(self, chunks: list[ChunkInput], accepted: dict[int, int], drafts: dict[int, list[int]],
               sequences: dict[int, WorkerSequence], in_flight: bool) -> list[MTPWork]:

@@ -401,6 +401,7 @@ def test_adaptive_mtp_pipelines_its_steps_without_drafts(model_dir, tmp_path_fac
     writes: wherever both runs draft for a sequence at a position, the drafts are the same
     (a random head, greedy), and the text is that of decoding without speculation."""
     from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config, save_mtp_head
+    from fastdeploy.spec_decode.mtp_proposer import MTPProposer
     from fastdeploy.worker.model_runner import ModelRunner
     from fastdeploy.worker.mtp_step import MTPStep
 
@@ -419,8 +420,10 @@ def test_adaptive_mtp_pipelines_its_steps_without_drafts(model_dir, tmp_path_fac
 
     drafted: dict[str, dict[tuple[int, int], list[int]]] = {}
     in_flight_feeds: list[int] = []
+    derived_fills: list[int] = []
     propose_drafts = ModelRunner._propose_drafts
     feed_in_flight = MTPStep.feed_in_flight
+    fill_after_decode = MTPProposer.fill_after_decode
 
     def run(mode: str) -> tuple[dict, list[StepInput]]:
         log = drafted.setdefault(mode, {})
@@ -434,8 +437,13 @@ def test_adaptive_mtp_pipelines_its_steps_without_drafts(model_dir, tmp_path_fac
             in_flight_feeds.append(1)
             return feed_in_flight(self, *args, **kwargs)
 
+        def counting_derived(self, *args, **kwargs):
+            derived_fills.append(1)
+            return fill_after_decode(self, *args, **kwargs)
+
         monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
         monkeypatch.setattr(MTPStep, "feed_in_flight", counting)
+        monkeypatch.setattr(MTPProposer, "fill_after_decode", counting_derived)
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2, model=head_dir)
         config = dataclasses.replace(_config(model_dir, mode), speculative=spec)
         executor = RecordingExecutor(config)
@@ -453,6 +461,9 @@ def test_adaptive_mtp_pipelines_its_steps_without_drafts(model_dir, tmp_path_fac
     # Every followed step that sampled fed the module at its launch (one that only computed
     # part of a prompt feeds it there anyway).
     assert followed >= 5 and in_flight >= 10 and 5 <= len(in_flight_feeds) <= followed, (followed, in_flight_feeds)
+    # Pure decode steps derive the module's inputs from their own on the device; steps that also
+    # computed part of a prompt take the per-sequence path.
+    assert 3 <= len(derived_fills) < len(in_flight_feeds), (derived_fills, in_flight_feeds)
     both = drafted["off"].keys() & drafted["on"].keys()
     assert len(both) >= 3, (drafted["off"].keys(), drafted["on"].keys())
     for key in both:

@@ -95,6 +95,49 @@ def test_fill_writes_the_cache_a_drafting_pass_writes():
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
 
 
+def test_fill_after_decode_writes_what_the_in_flight_work_writes():
+    """A pure decode step sent ahead fills the MTP cache from its own device inputs
+    (`fill_after_decode`): the same K/V as the per-sequence work with its tokens read on the
+    device, an unsettled row's marker included."""
+    import functools
+
+    from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput
+    from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
+    from fastdeploy.spec_decode.mtp_pass import MTPPass
+    from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork
+    from fastdeploy.worker.in_flight_step import SampledTokens
+    from fastdeploy.worker.input_prep import prepare_inputs
+
+    torch.manual_seed(2)
+    config = _config()
+    target = LlamaForCausalLM(config).eval()
+    head = MTPHead(mtp_config(config)).eval()
+    # Three sequences decoding at positions 5, 3 (its next position opens a new block) and 9.
+    chunks = [ChunkInput(7, [IN_FLIGHT_TOKEN], 5, [4, 1, 6], True), ChunkInput(2, [IN_FLIGHT_TOKEN], 3, [0, 5], True),
+              ChunkInput(9, [IN_FLIGHT_TOKEN], 9, [2, 3, 7], True)]
+    _, positions, meta, _ = prepare_inputs(chunks, {}, BS, torch.device("cpu"))
+    hidden = torch.randn(3, config.hidden_size)
+    sampled = SampledTokens([7, 2, 9], torch.tensor([11, UNSETTLED_TOKEN, 40]))
+    slots = [c.block_ids[(c.start + 1) // BS] * BS + (c.start + 1) % BS for c in chunks]
+    start_cache = torch.randn(allocate_kv_caches(mtp_config(config), 8, BS, torch.float32, "cpu")[0].shape)
+    caches = []
+    for derived in (False, True):
+        cache = start_cache.clone()
+        proposer = MTPProposer(MTPPass(head, target, cache), 2, BS,
+                               functools.partial(prepare_inputs, block_size=BS, device=torch.device("cpu")))
+        with torch.no_grad():
+            if derived:
+                proposer.fill_after_decode(hidden, sampled.tokens, positions, meta, slots)
+            else:
+                work = [MTPWork(c.seq_id, c.start + 1, [0], [row], c.block_ids, True, in_flight=True)
+                        for row, c in enumerate(chunks)]
+                pending = proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=torch.device("cpu")))
+                assert pending.resolve() == {}
+        caches.append(cache)
+    assert not torch.equal(caches[0], start_cache)
+    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+
+
 def test_pending_drafts_resolve_per_sequence_in_draft_order():
     # Pass 0 drafted for sequences 7, 3, 9; pass 1 only for 9 and 7 (3 had no slot left).
     pending = PendingDrafts([[7, 3, 9], [9, 7]], torch.tensor([70, 30, 90, 91, 71]))
