@@ -11,8 +11,8 @@ import torch
 from fastdeploy.common.config import EngineConfig, ModelConfig
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.model_executor.cuda_graph import DecodeBuffers
-from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.spec_decode.mtp_pass import MTPPass
