@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device-timeline", action="store_true", help="CUDA: the device's busy time per step")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV blocks per engine (default on CUDA: 4096; the run's engines follow one another in one "
+                         "process, and sizing by free memory would count the last one's pool)")
     ap.add_argument("--name", default="verify_step")
     args = ap.parse_args()
     info = machine_info()
@@ -131,9 +134,11 @@ def main() -> None:
             with open(model, "w") as f:
                 json.dump(SMOLLM2_135M, f)
         rows = []
+        blocks = args.num_kv_blocks or (4096 if args.device.startswith("cuda") else None)
         for name, extra in configs(args.drafts).items():
             llm = LLM(model, load_format="dummy", tokenizer=args.tokenizer or embedded_model_path(), device=args.device,
-                      max_num_seqs=max(args.batches), guided_decoding_backend="off", **extra)
+                      max_num_seqs=max(args.batches), guided_decoding_backend="off", num_kv_blocks=blocks,
+                      **extra)
             for batch in args.batches:
                 row = {"config": name, **measure(llm, batch, args.tokens, args.reps)}
                 if args.device_timeline and args.device.startswith("cuda"):
