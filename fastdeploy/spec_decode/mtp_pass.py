@@ -8,13 +8,17 @@ passes, passes past the captured sizes, `--enforce-eager` and CPU run eagerly.
 `fill` is the pass for a step after which no drafts are taken (the draft policy's cap 0): it
 writes the rows' K/V into the MTP cache, which later drafts attend to, and skips the draft
 itself, whose vocabulary projection costs most of a pass on a small model (its own graphs).
+`fill_after_decode` is that pass for a decode step of the target that ran as a CUDA graph and
+whose tokens are still on the device: its graphs read the target's graph inputs and output
+directly (pair p+1 of each row is the row's hidden state and sampled token), so the host
+copies one tensor and replays one graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastdeploy.model_executor.cuda_graph import DecodeBuffers, GraphRunner, capture_sizes
+from fastdeploy.model_executor.cuda_graph import CudaGraphRunner, DecodeBuffers, GraphRunner, capture_sizes
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import MTPHead
@@ -22,25 +26,37 @@ from fastdeploy.model_executor.models.mtp import MTPHead
 
 class MTPPass:
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, kv_cache: torch.Tensor,
-                 buffers: DecodeBuffers | None = None) -> None:
-        """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly."""
+                 buffers: DecodeBuffers | None = None, decode: CudaGraphRunner | None = None,
+                 max_decode_rows: int = 0) -> None:
+        """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly. `decode`:
+        the target's captured decode steps, of up to `max_decode_rows` sequences, that
+        `fill_after_decode` follows."""
         self.head = head
         self.target = target
         self.kv_cache = kv_cache
         self.buffers = buffers
         self.graphs: GraphRunner[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.fill_graphs: GraphRunner[torch.Tensor] | None = None
+        self.decode = decode
+        self.after_decode_graphs: GraphRunner[torch.Tensor] | None = None
         if buffers is not None:
             weight = target.model.embed_tokens.weight
             self.prev_hidden = torch.zeros(buffers.capacity, target.config.hidden_size, dtype=weight.dtype,
                                            device=weight.device)
             self.graphs = GraphRunner(self._graph_forward, capture_sizes(buffers.capacity), "MTP")
             self.fill_graphs = GraphRunner(self._graph_fill, capture_sizes(buffers.capacity), "MTP cache fill")
+        if decode is not None and max_decode_rows > 0:
+            sizes = decode.graphs.sizes[:decode.graphs.sizes.index(decode.graphs.padded_size(max_decode_rows)) + 1]
+            # The tokens a decode step sampled, copied here: the sampler's output moves per step.
+            self.sampled_ids = torch.zeros(sizes[-1], dtype=torch.long, device=decode.buffers.input_ids.device)
+            self.after_decode_graphs = GraphRunner(self._graph_fill_after_decode, sizes, "MTP cache fill after decode")
 
     def capture(self) -> None:
         if self.graphs is not None and self.fill_graphs is not None:
             self.graphs.capture()
             self.fill_graphs.capture()
+        if self.after_decode_graphs is not None:
+            self.after_decode_graphs.capture()
 
     def _hidden(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -62,6 +78,39 @@ class MTPPass:
         b = self.buffers
         assert b is not None, "graphs are captured only with buffers"
         return self._hidden(b.input_ids[:batch], self.prev_hidden[:batch], b.positions[:batch], b.metadata(batch))
+
+    def _graph_fill_after_decode(self, batch: int) -> torch.Tensor:
+        decode = self.decode
+        assert decode is not None, "captured only after the target's decode graphs"
+        t = decode.buffers
+        positions = t.positions[:batch] + 1
+        lens = t.context_lens[:batch]
+        tables = t.block_tables[:batch]
+        bs = t.block_size
+        # Padding rows (length 0) write to the spare block and attend to nothing, as in the
+        # target's step. A real row's next position lies in its reserved blocks (the caller
+        # checks that on the host), so its table entry there is loaded.
+        live = lens > 0
+        column = (positions // bs).clamp(max=tables.shape[1] - 1).unsqueeze(1)
+        slots = torch.where(live, tables.gather(1, column).squeeze(1) * bs + positions % bs, t.pad_slot)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
+                                 decode_context_lens=torch.where(live, lens + 1, 0), prefills=[], block_size=bs)
+        # An unsettled row's negative marker is clamped, as `SampledTokens.fill` does.
+        return self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
+
+    def follows_decode_graph(self, num_rows: int, meta: AttentionMetadata) -> bool:
+        """Whether the target ran a decode step of `num_rows` rows (and `meta`) as a graph this
+        pass has a fill for."""
+        return (self.after_decode_graphs is not None and self.decode is not None
+                and self.decode.can_run(num_rows, meta) and num_rows <= self.sampled_ids.shape[0])
+
+    def fill_after_decode(self, tokens: torch.Tensor) -> None:
+        """`fill` of pair p+1 = (hidden, `tokens`) for every row of the decode step the target
+        just replayed (`follows_decode_graph`), read from that step's graph."""
+        assert self.after_decode_graphs is not None and self.decode is not None
+        n = tokens.shape[0]
+        self.sampled_ids[:n].copy_(tokens)
+        self.after_decode_graphs.replay(self.decode.graphs.padded_size(n))
 
     def fill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
              meta: AttentionMetadata) -> None:

@@ -111,7 +111,7 @@ class ModelRunner:
         if spec is not None and spec.method == "mtp":
             with times.phase("MTP head"):
                 self.mtp = MTPStep(config, self.model, self.model_config, self.dtype, self.device, self.num_blocks,
-                                   shape, use_graphs)
+                                   shape, use_graphs, self.cuda_graphs)
         self.sequences: dict[int, WorkerSequence] = {}
         # Asynchronous scheduling: the last step's sampled tokens (a step scheduled ahead of its
         # frame reads its in-flight tokens there), steps launched so far, the latest of them,

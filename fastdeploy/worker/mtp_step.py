@@ -10,7 +10,7 @@ import torch
 
 from fastdeploy.common.config import EngineConfig, ModelConfig
 from fastdeploy.common.step_input import ChunkInput
-from fastdeploy.model_executor.cuda_graph import DecodeBuffers
+from fastdeploy.model_executor.cuda_graph import CudaGraphRunner, DecodeBuffers
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
@@ -29,7 +29,9 @@ class MTPStep:
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig,
                  dtype: torch.dtype, device: torch.device, num_blocks: int, shape: DecodeShape,
-                 use_graphs: bool) -> None:
+                 use_graphs: bool, decode_graphs: CudaGraphRunner | None = None) -> None:
+        """`decode_graphs`: the target's captured decode steps, which a step without drafts
+        sent ahead is filled after in a graph of its own."""
         spec = config.speculative
         assert spec is not None and spec.method == "mtp"
         self.block_size = shape.block_size
@@ -38,7 +40,7 @@ class MTPStep:
         mtp_cache = allocate_kv_caches(one_layer, num_blocks + 1, self.block_size, dtype, device)[0]
         buffers = DecodeBuffers(shape.max_decode_rows, shape.max_blocks_per_seq, self.block_size, shape.pad_slot,
                                 device) if use_graphs else None
-        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers)
+        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers, decode_graphs, config.scheduler.max_num_seqs)
         self.mtp_pass.capture()
         self.proposer = MTPProposer(self.mtp_pass, spec.num_speculative_tokens, self.block_size,
                                     functools.partial(prepare_inputs, block_size=self.block_size, device=device))

@@ -120,3 +120,45 @@ def test_captured_fill_writes_the_cache_the_drafting_pass_writes():
     assert torch.equal(written[1], written[0])
     del llm, runner, mtp_pass
     _release()
+
+
+def test_fill_after_a_decode_graph_writes_what_the_eager_fill_writes():
+    """A decode step without drafts sent ahead fills the MTP cache in a graph of its own that
+    reads the target's decode graph (positions, block tables, hidden states) and the sampled
+    tokens, an unsettled marker included: the K/V the eager fill writes from the same step."""
+    from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
+
+    llm = _engine(speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    runner = llm.engine.executor.runner
+    mtp_pass = runner.mtp.mtp_pass
+    proposer = runner.mtp.proposer
+    assert mtp_pass.after_decode_graphs is not None
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    bs = runner.block_size
+    # Five sequences decoding (padded to 8 rows); the second one's next position opens a block.
+    starts = [20, 2 * bs - 1, 7, 2 * bs + 8, 15]
+    last = torch.randint(0, 1000, (len(starts),), generator=gen).tolist()
+    chunks = [ChunkInput(s, [last[s]], start, [3 * s + 1, 3 * s + 2, 3 * s + 3], True)
+              for s, start in enumerate(starts)]
+    input_ids, positions, meta, _ = prepare_inputs(chunks, {}, bs, runner.device)
+    tokens = torch.randint(0, runner.model_config.vocab_size, (len(chunks),), generator=gen)
+    tokens[3] = UNSETTLED_TOKEN
+    tokens = tokens.to(runner.device)
+    slots = [c.block_ids[(c.start + 1) // bs] * bs + (c.start + 1) % bs for c in chunks]
+    written = []
+    with torch.inference_mode():
+        for graphed in (True, False):
+            mtp_pass.kv_cache.zero_()
+            hidden = runner._forward(input_ids, positions, meta)  # the target's decode graph
+            assert mtp_pass.follows_decode_graph(len(chunks), meta)
+            saved = mtp_pass.after_decode_graphs
+            if not graphed:
+                mtp_pass.after_decode_graphs = None
+            proposer.fill_after_decode(hidden, tokens, positions, meta, slots)
+            mtp_pass.after_decode_graphs = saved
+            torch.cuda.synchronize()
+            written.append(mtp_pass.kv_cache.clone())
+    assert written[0].abs().sum() > 0
+    torch.testing.assert_close(written[0].float(), written[1].float(), atol=2e-2, rtol=2e-2)
+    del llm, runner, mtp_pass, proposer
+    _release()
