@@ -158,7 +158,10 @@ def test_fill_after_a_decode_graph_writes_what_the_eager_fill_writes():
             mtp_pass.after_decode_graphs = saved
             torch.cuda.synchronize()
             written.append(mtp_pass.kv_cache.clone())
-    assert written[0].abs().sum() > 0
-    torch.testing.assert_close(written[0].float(), written[1].float(), atol=2e-2, rtol=2e-2)
+    # The last block is the spare one that padding rows write to (8 rows in the graph, the eager
+    # fill's own padding): scratch, not compared.
+    pool = slice(0, runner.num_blocks)
+    assert written[0][:, pool].abs().sum() > 0
+    torch.testing.assert_close(written[0][:, pool].float(), written[1][:, pool].float(), atol=2e-2, rtol=2e-2)
     del llm, runner, mtp_pass, proposer
     _release()

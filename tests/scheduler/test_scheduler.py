@@ -83,3 +83,25 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
     sched.finish(b)
     assert a.status == SeqStatus.FINISHED and bm.num_free_blocks == bm.num_blocks
     assert not sched.has_work()
+
+
+def test_a_decode_without_drafts_still_holds_the_draft_models_slots():
+    """An MTP decode step of cap 0 reserves no drafts but keeps the slots its draft module writes
+    past the newest token; with drafts, those come on top of the drafts' own slots. Step by step,
+    across block boundaries, the blocks held are exactly what the steps so far needed (a step
+    with drafts leaves its blocks to the ones after it)."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(8, 256, 32), bm, num_lookahead_slots=2, num_draft_model_slots=2)
+    a = seq(0, 5)
+    sched.add(a)
+    needed = 0
+    for step_index in range(14):
+        cap = 2 if step_index % 5 == 4 else 0
+        step = sched.schedule(max_drafts=cap)
+        (chunk,) = step.chunks
+        target = chunk.start + chunk.num_tokens
+        needed = max(needed, target + chunk.num_lookahead + (2 if chunk.samples else 0))
+        assert chunk.num_lookahead == (cap if chunk.num_tokens == 1 else 0)
+        assert len(a.block_ids) == -(-needed // 4), (step_index, target, a.block_ids)
+        sched.on_step_done(step)
+        a.output_token_ids.append(5)
