@@ -27,10 +27,10 @@ from fastdeploy.model_executor.models.mtp import MTPHead
 class MTPPass:
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, kv_cache: torch.Tensor,
                  buffers: DecodeBuffers | None = None, decode: CudaGraphRunner | None = None,
-                 max_decode_rows: int = 0) -> None:
+                 max_num_seqs: int = 0) -> None:
         """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly. `decode`:
-        the target's captured decode steps, of up to `max_decode_rows` sequences, that
-        `fill_after_decode` follows."""
+        the target's captured decode steps, which `fill_after_decode` follows for steps of up
+        to `max_num_seqs` sequences."""
         self.head = head
         self.target = target
         self.kv_cache = kv_cache
@@ -45,8 +45,8 @@ class MTPPass:
                                            device=weight.device)
             self.graphs = GraphRunner(self._graph_forward, capture_sizes(buffers.capacity), "MTP")
             self.fill_graphs = GraphRunner(self._graph_fill, capture_sizes(buffers.capacity), "MTP cache fill")
-        if decode is not None and max_decode_rows > 0:
-            sizes = decode.graphs.sizes[:decode.graphs.sizes.index(decode.graphs.padded_size(max_decode_rows)) + 1]
+        if decode is not None and max_num_seqs > 0:
+            sizes = decode.graphs.sizes[:decode.graphs.sizes.index(decode.graphs.padded_size(max_num_seqs)) + 1]
             # The tokens a decode step sampled, copied here: the sampler's output moves per step.
             self.sampled_ids = torch.zeros(sizes[-1], dtype=torch.long, device=decode.buffers.input_ids.device)
             self.after_decode_graphs = GraphRunner(self._graph_fill_after_decode, sizes, "MTP cache fill after decode")
