@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fastdeploy.output.detokenizer import IncrementalDetokenizer, fast_decoder
+from fastdeploy.output.detokenizer import CLEAN_UP_PROBE, IncrementalDetokenizer, fast_decoder
 
 TEXTS = ["Hello there, world!  Spaces   and\ttabs\nnew lines.", "naïve café — 東京 🎉 emoji and accents",
          "def f(x):\n    return x ** 2  # code", " leading space, trailing space "]
@@ -45,4 +45,32 @@ def test_streamed_text_equals_the_whole_decode(embedded_tokenizer, skip_special_
             streamed = _stream(tok, ids, skip_special_tokens, fast, seed)
             # Everything but a trailing incomplete character is out.
             assert whole.startswith(streamed) and len(whole) - len(streamed) <= 4, (fast, streamed, whole)
+        assert _stream(tok, ids, skip_special_tokens, True, seed) == _stream(tok, ids, skip_special_tokens, False, seed)
+
+
+@pytest.fixture
+def cleaning_tokenizer():
+    """The embedded tokenizer with the wrapper's clean-up of tokenization spaces switched on, as
+    Llama 3's tokenizer config has it (recent transformers skip it for BPE unless told)."""
+    from fastdeploy.model_executor.model_loader import get_tokenizer
+
+    tok = get_tokenizer(None, None)
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    probe = tok.encode(CLEAN_UP_PROBE, add_special_tokens=False)
+    if tok.decode(probe) == tok.backend_tokenizer.decode(probe, False):
+        pytest.skip("this transformers version cleans up no tokenization spaces")
+    return tok
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_fast_path_keeps_the_clean_up_of_tokenization_spaces(cleaning_tokenizer, skip_special_tokens):
+    tok = cleaning_tokenizer
+    fast = fast_decoder(tok)
+    assert fast is not None and fast is not tok.backend_tokenizer.decode
+    rng = random.Random(1)
+    for seed, text in enumerate([*TEXTS, CLEAN_UP_PROBE, "Is it ? Yes , it 's fine . They 're here !"]):
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        ids += [rng.randrange(tok.vocab_size) for _ in range(20)]
+        assert fast(ids, skip_special_tokens) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
         assert _stream(tok, ids, skip_special_tokens, True, seed) == _stream(tok, ids, skip_special_tokens, False, seed)
