@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import lru_cache
 from typing import cast
@@ -55,6 +56,28 @@ class TokenTexts:
 
 # Text in which each pattern of the wrapper's clean-up of tokenization spaces occurs.
 CLEAN_UP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're k"
+# How each tokenizer's `decode` is reproduced: "rust", "rust+clean_up" or "wrapper". Decided once
+# per tokenizer (a probe costs tens of microseconds, a request's detokenizer is made per choice);
+# weak keys, and no value refers back to its tokenizer.
+_DECODE_PATHS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, str] = weakref.WeakKeyDictionary()
+
+
+def _decode_path(tokenizer: PreTrainedTokenizerBase) -> str:
+    path = _DECODE_PATHS.get(tokenizer)
+    if path is None:
+        path = "wrapper"
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            probe = tokenizer.encode(CLEAN_UP_PROBE, add_special_tokens=False)
+            expected = tokenizer.decode(probe, skip_special_tokens=True)
+            raw = backend.decode(probe, True)
+            clean_up = getattr(tokenizer, "clean_up_tokenization", None)
+            if raw == expected:
+                path = "rust"
+            elif clean_up is not None and clean_up(raw) == expected:
+                path = "rust+clean_up"
+        _DECODE_PATHS[tokenizer] = path
+    return path
 
 
 def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int], bool], str] | None:
@@ -63,17 +86,14 @@ def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int], boo
     BPE vocabulary's clean-up runs depends on the transformers version), where that gives the
     text `tokenizer.decode` gives on a probe that every clean-up pattern changes; else None.
     It skips the Python wrapper's argument conversion: half the cost of a streamed token's two
-    decodes."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    decodes. Decided once per tokenizer: set its clean-up flags before its first use."""
+    path = _decode_path(tokenizer)
+    if path == "wrapper":
         return None
-    probe = tokenizer.encode(CLEAN_UP_PROBE, add_special_tokens=False)
-    expected = tokenizer.decode(probe, skip_special_tokens=True)
-    if backend.decode(probe, True) == expected:
+    backend = tokenizer.backend_tokenizer
+    if path == "rust":
         return cast(Callable[[list[int], bool], str], backend.decode)
-    clean_up = getattr(tokenizer, "clean_up_tokenization", None)
-    if clean_up is None or clean_up(backend.decode(probe, True)) != expected:
-        return None
+    clean_up = tokenizer.clean_up_tokenization
 
     def decode_and_clean_up(ids: list[int], skip_special_tokens: bool) -> str:
         return cast(str, clean_up(backend.decode(ids, skip_special_tokens)))
