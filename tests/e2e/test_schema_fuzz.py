@@ -22,6 +22,8 @@ EXAMPLES = {schemathesis.GenerationMode.POSITIVE: 60, schemathesis.GenerationMod
 MAX_TOKENS = 3
 # Events a stream may send: a choice's tokens and its finish, for every choice a body may ask for.
 MAX_STREAM_EVENTS = 100_000
+
+
 @pytest.fixture(scope="module")
 def log_start(server) -> int:
     """Where the server's log stood before the fuzz."""
