@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -38,6 +39,9 @@ def _profile_gpu_blocks(
     sched, bs = config.scheduler, config.cache.block_size
     num_tokens = sched.max_num_batched_tokens
     scratch_blocks = -(-num_tokens // bs)
+    # Engines this process dropped but has not collected yet (reference cycles) give their
+    # memory back first: it would count as this engine's peak.
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     caches = allocate_kv_caches(model_config, scratch_blocks, bs, dtype, device)

@@ -495,7 +495,15 @@ class ModelRunner:
         self.cuda_graphs = None
         self._after_frame = None
         self.mtp = None
+        # The KV cache and the last steps' tensors go now too, not whenever the last reference
+        # to this runner does: an engine made next in this process sizes its KV cache by the
+        # device's free memory.
+        self.kv_caches = []
+        self._last_sampled = self._latest = self._redrawn_ahead = None
+        self._metadata_cache = input_prep.SamplingMetadataCache()
         gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         destroy_tensor_parallel()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from fastdeploy import LLM
 from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.common.step_frame import split_by_sequence, unpack_step_frame
@@ -151,3 +152,20 @@ def test_a_step_finished_inside_the_next_launch_is_handed_out_there(model_dir) -
     output.wait_mask_ids()
     got.append(bytes(output.frame))
     assert got == want
+
+
+def test_shutdown_lets_the_kv_cache_and_step_tensors_go(model_dir):
+    """After `shutdown` the runner no longer holds its KV cache or its last steps' tensors, so an
+    engine made next in the process finds that memory free, while the `LLM` is still referenced."""
+    import weakref
+
+    from fastdeploy.model_executor.model_loader.embedded import embedded_model_path
+
+    llm = LLM(model_dir, tokenizer=embedded_model_path(), device="cpu", dtype="float32", guided_decoding_backend="off",
+              max_num_seqs=4, num_kv_blocks=64, async_scheduling="on")
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    runner = llm.engine.executor.runner
+    held = [weakref.ref(t) for t in runner.kv_caches]
+    llm.engine.shutdown()
+    assert all(ref() is None for ref in held)
+    assert runner._last_sampled is None and runner._latest is None
