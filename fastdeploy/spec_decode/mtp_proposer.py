@@ -79,11 +79,8 @@ class MTPProposer:
         """The MTP cache's pairs of a decode step without drafts, none drafted: row i of the step
         (position p, hidden row i) gives pair p+1 = (hidden i, token i of `tokens`, which the
         step sampled and the host has not seen), in the same blocks at `slots`. Everything but
-        the slots is derived on the device from the step's own inputs; where the target ran the
-        step as a CUDA graph, from that graph's inputs and output, in a graph."""
-        if self.mtp_pass.follows_decode_graph(tokens.shape[0], meta):
-            self.mtp_pass.fill_after_decode(tokens)
-            return
+        the slots is derived on the device from the step's own inputs. (After a decode step
+        the target ran as a CUDA graph, `MTPPass.fill_after_decode` does this in a graph.)"""
         (slot_mapping,) = upload_int64([slots], step_hidden.device)
         shifted = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=meta.num_decode_tokens,
                                     decode_block_tables=meta.decode_block_tables,

@@ -65,29 +65,32 @@ class MTPStep:
         hidden states are read now, before the next forward pass reuses their memory.
         `positions` and `meta`: the step's own inputs on the device."""
         seq_ids = list(sampled.seq_ids)
-        slots = self._next_slots(chunks, seq_ids)
-        if slots is not None and not meta.prefills:
-            # A pure decode step: its pairs follow from its own inputs on the device.
-            self.proposer.fill_after_decode(hidden, sampled.tokens, positions, meta, slots)
+        if not meta.prefills and self._next_slots_reserved(chunks, seq_ids):
+            # A pure decode step: its pairs follow from its own inputs on the device; after a
+            # decode graph, from that graph's buffers (slots included), else with the host's slots.
+            if self.mtp_pass.follows_decode_graph(len(seq_ids), meta):
+                self.mtp_pass.fill_after_decode(sampled.tokens)
+            else:
+                self.proposer.fill_after_decode(hidden, sampled.tokens, positions, meta, self._next_slots(chunks))
         else:
             work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
             self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
         self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
 
-    def _next_slots(self, chunks: list[ChunkInput], seq_ids: list[int]) -> list[int] | None:
-        """The cache slot of each row's next position, where the step is one token per sampled
-        row in the sampler's row order (`seq_ids`) and every such slot is reserved; else None."""
+    def _next_slots_reserved(self, chunks: list[ChunkInput], seq_ids: list[int]) -> bool:
+        """Whether the step is one token per sampled row, in the sampler's row order (`seq_ids`),
+        and every row's next position has a reserved cache slot."""
         if len(chunks) != len(seq_ids):
-            return None
+            return False
         bs = self.block_size
-        slots = []
-        for chunk, seq_id in zip(chunks, seq_ids, strict=True):
-            position = chunk.start + 1
-            if (chunk.seq_id != seq_id or len(chunk.token_ids) != 1 or chunk.start == 0
-                    or position >= len(chunk.block_ids) * bs):
-                return None
-            slots.append(chunk.block_ids[position // bs] * bs + position % bs)
-        return slots
+        return all(chunk.seq_id == seq_id and len(chunk.token_ids) == 1 and chunk.start > 0
+                   and chunk.start + 1 < len(chunk.block_ids) * bs
+                   for chunk, seq_id in zip(chunks, seq_ids, strict=True))
+
+    def _next_slots(self, chunks: list[ChunkInput]) -> list[int]:
+        """The cache slot of each row's next position (`_next_slots_reserved` holds)."""
+        bs = self.block_size
+        return [chunk.block_ids[(chunk.start + 1) // bs] * bs + (chunk.start + 1) % bs for chunk in chunks]
 
     def _work(self, chunks: list[ChunkInput], accepted: dict[int, int], drafts: dict[int, list[int]],
               sequences: dict[int, WorkerSequence], in_flight: bool) -> list[MTPWork]:

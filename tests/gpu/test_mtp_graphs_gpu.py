@@ -151,11 +151,10 @@ def test_fill_after_a_decode_graph_writes_what_the_eager_fill_writes():
             mtp_pass.kv_cache.zero_()
             hidden = runner._forward(input_ids, positions, meta)  # the target's decode graph
             assert mtp_pass.follows_decode_graph(len(chunks), meta)
-            saved = mtp_pass.after_decode_graphs
-            if not graphed:
-                mtp_pass.after_decode_graphs = None
-            proposer.fill_after_decode(hidden, tokens, positions, meta, slots)
-            mtp_pass.after_decode_graphs = saved
+            if graphed:
+                mtp_pass.fill_after_decode(tokens)
+            else:
+                proposer.fill_after_decode(hidden, tokens, positions, meta, slots)
             torch.cuda.synchronize()
             written.append(mtp_pass.kv_cache.clone())
     # The last block is the spare one that padding rows write to (8 rows in the graph, the eager
