@@ -16,12 +16,11 @@ gathers the others' shares, for larger ones): 7-15 us a call on two H200s
 A row-parallel layer followed by a residual add and an RMSNorm (o_proj and down_proj of a
 decoder layer) can skip the all-reduce: `row_parallel_linear` computes the rank's product
 straight into a slot of the symmetric buffer and returns a `PendingSum`; the norm that consumes
-it (`sum_add_rms_norm`) reads every rank's slot in the kernel that adds the residual and
-normalises, and waits for the peers in that kernel too (one program signals through the signal
-pads while the others load their local rows). That saves, per call, the copies in and out, the
-all-reduce kernel's barriers and the separate norm kernel. Two slots alternate (attention and
-MLP): a rank rewrites a slot only after the next norm's handshake, which its peers reach only
-once their kernel that read the slot has ended.
+it (`sum_add_rms_norm`) waits on one barrier, then reads every rank's slot in the same kernel
+that adds the residual and normalises. That saves, per call, the copies in and out, the
+all-reduce kernel's second barrier and the separate norm kernel. Two slots alternate (attention
+and MLP): a rank rewrites a slot only after the next barrier, which its peers pass only once
+they have finished reading it.
 """
 
 from __future__ import annotations
@@ -60,16 +59,8 @@ class SymmetricAllReduce:
         self.group_name = group.group_name
         self.buffer = symm_mem.empty((1 + PENDING_SLOTS) * SYMMETRIC_BUFFER_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
-        # Every rank's buffer and signal-pad address, for the kernel that reads the peers' slots.
+        # Every rank's buffer address, for the kernel that reads the peers' slots.
         self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.pads = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        self.rank = self.handle.rank
-        # The norm kernel's handshake flags sit at the pad's end, away from the low flags
-        # PyTorch's own all-reduce and barrier kernels use (channel / block index times world size).
-        pad = self.handle.get_signal_pad(self.rank)
-        self.pad_base = pad.numel() * pad.element_size() // 4 - self.handle.world_size
-        # The norm kernel's local wait (flag, count): zero between calls.
-        self.norm_flags = torch.zeros(2, dtype=torch.int32, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.is_contiguous() and x.dtype in SUMMED_DTYPES
@@ -97,9 +88,10 @@ class SymmetricAllReduce:
                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from fastdeploy.distributed.sum_norm_kernel import sum_add_rms_norm
 
+        self.handle.barrier(channel=0)  # every rank's product is in its slot
         offset = (1 + pending.slot) * SYMMETRIC_BUFFER_BYTES // pending.partial.element_size()
-        return sum_add_rms_norm(self.buffers, self.pads, self.pad_base, self.rank, self.norm_flags, offset,
-                                (pending.partial.shape[0], pending.partial.shape[1]), residual, weight, eps)
+        return sum_add_rms_norm(self.buffers, offset, (pending.partial.shape[0], pending.partial.shape[1]),
+                                residual, weight, eps)
 
 
 @dataclass
