@@ -30,6 +30,7 @@ import triton.language as tl
 
 from benchmarks.common import (
     copy_bandwidth,
+    finish_bar_axis,
     machine_with_device,
     png_path,
     print_table,
@@ -257,10 +258,8 @@ def main() -> None:
     ax.bar([i + 0.2 for i in xs], [r["triton_tb_s"] for r in rows_out], 0.4, label="split-K Triton (best config)")
     ax.set_xticks(list(xs), labels, fontsize=5, rotation=90)
     ax.axhline(bandwidth / 1e12, color="gray", lw=0.8, ls="--", label="copy bandwidth")
-    ax.set_ylabel("weight TB/s", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path(args.name), dpi=120)
+    finish_bar_axis(ax, "weight TB/s")
+    fig.savefig(png_path(args.name), dpi=120, bbox_inches="tight")
     print(f"wrote {path}")
 
 
