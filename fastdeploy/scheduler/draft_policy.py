@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 # Sequence-steps of each end cap (none, all) before its figures are trusted: one step of a
 # batch, four of a lone request. One row's yield ranges from 1 to k + 1 tokens: from two of
-# them, drafts that pay 2x looked like a loss in 1 of 16 simulated lone requests, and the wait
+# them, drafts that pay 1.6x looked like a loss in 1 of 16 simulated lone requests, and the wait
 # before the next try (the longer the worse a cap looks) kept them off for the whole request.
 MIN_ROWS = 4
 # A sample's weight decays by this factor per sequence of the cap's later samples: a cap's
