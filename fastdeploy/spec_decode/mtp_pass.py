@@ -83,18 +83,8 @@ class MTPPass:
         decode = self.decode
         assert decode is not None, "captured only after the target's decode graphs"
         t = decode.buffers
-        positions = t.positions[:batch] + 1
-        lens = t.context_lens[:batch]
-        tables = t.block_tables[:batch]
-        bs = t.block_size
-        # Padding rows (length 0) write to the spare block and attend to nothing, as in the
-        # target's step. A real row's next position lies in its reserved blocks (the caller
-        # checks that on the host), so its table entry there is loaded.
-        live = lens > 0
-        column = (positions // bs).clamp(max=tables.shape[1] - 1).unsqueeze(1)
-        slots = torch.where(live, tables.gather(1, column).squeeze(1) * bs + positions % bs, t.pad_slot)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
-                                 decode_context_lens=torch.where(live, lens + 1, 0), prefills=[], block_size=bs)
+        positions, meta = next_position_metadata(t.positions[:batch], t.context_lens[:batch], t.block_tables[:batch],
+                                                 t.block_size, t.pad_slot)
         # An unsettled row's negative marker is clamped, as `SampledTokens.fill` does.
         return self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
 
@@ -149,3 +139,20 @@ class MTPPass:
         if hidden.shape[0] == 0:  # a pass that only fills the MTP cache
             return hidden, torch.zeros(0, dtype=torch.long, device=hidden.device)
         return hidden, self._draft(hidden)
+
+
+def next_position_metadata(positions: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                           block_size: int, pad_slot: int = -1) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The positions and attention metadata of pair p+1 for each row of a decode step at p: the
+    same blocks, one more token of context, the slot of p+1 read from the row's block table on
+    the device. A real row's next position lies in its reserved blocks (the caller checks that
+    on the host), so its table entry there is loaded. Rows of length 0 (a graph's padding) write
+    to `pad_slot` and attend to nothing, as in the target's step."""
+    shifted = positions + 1
+    live = context_lens > 0
+    column = (shifted // block_size).clamp(max=block_tables.shape[1] - 1).unsqueeze(1)
+    slots = torch.where(live, block_tables.gather(1, column).squeeze(1) * block_size + shifted % block_size, pad_slot)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=positions.shape[0], decode_block_tables=block_tables,
+                             decode_context_lens=torch.where(live, context_lens + 1, 0), prefills=[],
+                             block_size=block_size)
+    return shifted, meta

@@ -25,7 +25,7 @@ import torch
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
-from fastdeploy.spec_decode.mtp_pass import MTPPass
+from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
 
 PrepareInputs = Callable[[list[ChunkInput], dict], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]]
 # Writes the in-flight token of each (input row, seq_id) slot into the input ids, on the device.
@@ -75,20 +75,17 @@ class MTPProposer:
         self.prepare_inputs = prepare_inputs
 
     def fill_after_decode(self, step_hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                          meta: AttentionMetadata, slots: list[int]) -> None:
+                          meta: AttentionMetadata) -> None:
         """The MTP cache's pairs of a decode step without drafts, none drafted: row i of the step
         (position p, hidden row i) gives pair p+1 = (hidden i, token i of `tokens`, which the
-        step sampled and the host has not seen), in the same blocks at `slots`. Everything but
-        the slots is derived on the device from the step's own inputs. (After a decode step
-        the target ran as a CUDA graph, `MTPPass.fill_after_decode` does this in a graph.)"""
-        (slot_mapping,) = upload_int64([slots], step_hidden.device)
-        shifted = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=meta.num_decode_tokens,
-                                    decode_block_tables=meta.decode_block_tables,
-                                    decode_context_lens=meta.decode_context_lens + 1, prefills=[],
-                                    block_size=meta.block_size)
+        step sampled and the host has not seen), in the same blocks; everything derived on the
+        device from the step's own inputs. (After a decode step the target ran as a CUDA graph,
+        `MTPPass.fill_after_decode` does this in a graph.)"""
+        shifted, next_meta = next_position_metadata(positions, meta.decode_context_lens, meta.decode_block_tables,
+                                                    meta.block_size)
         # An unsettled row's negative marker is clamped as `SampledTokens.fill` does; the step
         # behind it is run again once that row is redrawn.
-        self.mtp_pass.fill(tokens.clamp(min=0), step_hidden, positions + 1, shifted)
+        self.mtp_pass.fill(tokens.clamp(min=0), step_hidden, shifted, next_meta)
 
     def propose(self, work: list[MTPWork], step_hidden: torch.Tensor, max_drafts: int | None = None,
                 fill_in_flight: FillInFlight | None = None) -> PendingDrafts:

@@ -66,12 +66,12 @@ class MTPStep:
         `positions` and `meta`: the step's own inputs on the device."""
         seq_ids = list(sampled.seq_ids)
         if not meta.prefills and self._next_slots_reserved(chunks, seq_ids):
-            # A pure decode step: its pairs follow from its own inputs on the device; after a
-            # decode graph, from that graph's buffers (slots included), else with the host's slots.
+            # A pure decode step: its pairs follow from its own inputs on the device (after a
+            # decode graph, from that graph's buffers).
             if self.mtp_pass.follows_decode_graph(len(seq_ids), meta):
                 self.mtp_pass.fill_after_decode(sampled.tokens)
             else:
-                self.proposer.fill_after_decode(hidden, sampled.tokens, positions, meta, self._next_slots(chunks))
+                self.proposer.fill_after_decode(hidden, sampled.tokens, positions, meta)
         else:
             work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
             self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
@@ -86,11 +86,6 @@ class MTPStep:
         return all(chunk.seq_id == seq_id and len(chunk.token_ids) == 1 and chunk.start > 0
                    and chunk.start + 1 < len(chunk.block_ids) * bs
                    for chunk, seq_id in zip(chunks, seq_ids, strict=True))
-
-    def _next_slots(self, chunks: list[ChunkInput]) -> list[int]:
-        """The cache slot of each row's next position (`_next_slots_reserved` holds)."""
-        bs = self.block_size
-        return [chunk.block_ids[(chunk.start + 1) // bs] * bs + (chunk.start + 1) % bs for chunk in chunks]
 
     def _work(self, chunks: list[ChunkInput], accepted: dict[int, int], drafts: dict[int, list[int]],
               sequences: dict[int, WorkerSequence], in_flight: bool) -> list[MTPWork]:

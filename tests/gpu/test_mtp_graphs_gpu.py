@@ -144,7 +144,6 @@ def test_fill_after_a_decode_graph_writes_what_the_eager_fill_writes():
     tokens = torch.randint(0, runner.model_config.vocab_size, (len(chunks),), generator=gen)
     tokens[3] = UNSETTLED_TOKEN
     tokens = tokens.to(runner.device)
-    slots = [c.block_ids[(c.start + 1) // bs] * bs + (c.start + 1) % bs for c in chunks]
     written = []
     with torch.inference_mode():
         for graphed in (True, False):
@@ -154,7 +153,7 @@ def test_fill_after_a_decode_graph_writes_what_the_eager_fill_writes():
             if graphed:
                 mtp_pass.fill_after_decode(tokens)
             else:
-                proposer.fill_after_decode(hidden, tokens, positions, meta, slots)
+                proposer.fill_after_decode(hidden, tokens, positions, meta)
             torch.cuda.synchronize()
             written.append(mtp_pass.kv_cache.clone())
     # The last block is the spare one that padding rows write to (8 rows in the graph, the eager

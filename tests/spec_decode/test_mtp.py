@@ -118,7 +118,6 @@ def test_fill_after_decode_writes_what_the_in_flight_work_writes():
     _, positions, meta, _ = prepare_inputs(chunks, {}, BS, torch.device("cpu"))
     hidden = torch.randn(3, config.hidden_size)
     sampled = SampledTokens([7, 2, 9], torch.tensor([11, UNSETTLED_TOKEN, 40]))
-    slots = [c.block_ids[(c.start + 1) // BS] * BS + (c.start + 1) % BS for c in chunks]
     start_cache = torch.randn(allocate_kv_caches(mtp_config(config), 8, BS, torch.float32, "cpu")[0].shape)
     caches = []
     for derived in (False, True):
@@ -127,7 +126,7 @@ def test_fill_after_decode_writes_what_the_in_flight_work_writes():
                                functools.partial(prepare_inputs, block_size=BS, device=torch.device("cpu")))
         with torch.no_grad():
             if derived:
-                proposer.fill_after_decode(hidden, sampled.tokens, positions, meta, slots)
+                proposer.fill_after_decode(hidden, sampled.tokens, positions, meta)
             else:
                 work = [MTPWork(c.seq_id, c.start + 1, [0], [row], c.block_ids, True, in_flight=True)
                         for row, c in enumerate(chunks)]
