@@ -14,12 +14,16 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_ke
              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
 
 
-def save_random_qwen2(path: Path, vocab_size: int, seed: int = 0) -> str:
-    """Weights drawn large enough (0.3) that logits are far from flat; norms near 1."""
+def save_random_qwen2(path: Path, vocab_size: int, seed: int = 0, write_scale: float = 0.3) -> str:
+    """Weights drawn large enough (0.3) that logits are far from flat; norms near 1.
+    `write_scale`: the scale of the projections that write into the residual stream (attention
+    output, MLP down): small, and each token's logits are mostly a function of the token itself,
+    with the context (and so every K/V the step reads) still moving them a little."""
     torch.manual_seed(seed)
     hf = HFQwen2(Qwen2Config(**SMALL, vocab_size=vocab_size))
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+            scale = write_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.3
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
     hf.save_pretrained(path)
     return str(path)

@@ -85,7 +85,12 @@ class EngineCore:
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
         self._pipelining = pipelines_steps(config)
-        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, pipelined_zero=self._pipelining)
+        # MTP drafts on the device after a step sent with a successor, which takes them there:
+        # steps with drafts go out ahead too (one GPU: the other ranks' plans lack the drafts).
+        self._drafts_ahead = self._pipelining and spec is not None and spec.method == "mtp" \
+            and config.tensor_parallel_size == 1
+        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens,
+                                         pipelined_zero=self._pipelining and not self._drafts_ahead)
                              if spec is not None and spec.adaptive else None)
         self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
         self._last_frame_at = 0.0  # perf_counter when the last step's frame was read
@@ -229,11 +234,9 @@ class EngineCore:
         draft_cap = None
         if self.draft_policy is not None:
             # The cap announced with the last step: a draft model drafted that many after it. A
-            # step sent ahead drafts nothing (drafts need the tokens of the step still running);
-            # one is sent ahead only where that cap was announced as 0.
+            # step sent ahead verifies drafts only where the step before it was sent so with a
+            # cap above 0 (MTP drafting on the device); otherwise that cap was announced as 0.
             draft_cap = self._announced_cap if self._announced_cap is not None else self.draft_policy.cap(num_rows)
-            if ahead:
-                draft_cap = 0
         plan = self.scheduler.schedule(draft_cap, may_preempt=not ahead)
         new_sequences = []
         chunks = []
@@ -253,15 +256,38 @@ class EngineCore:
         if self.draft_policy is not None:
             self._announced_cap = next_cap = self.draft_policy.cap(len(self.scheduler.running))
         # A step scheduled ahead that left a sequence out for want of blocks is followed by
-        # one in turn, which may preempt as usual. With speculation only a step without drafts
-        # is followed, by one without drafts: each accepted run's length is known only on the host.
+        # one in turn, which may preempt as usual. With n-gram speculation only a step without
+        # drafts is followed, by one without drafts: the drafts come from the tokens on the host.
         followed = followed and bool(chunks) and not plan.num_blocked \
-            and (self.draft_policy is None or draft_cap == next_cap == 0)
+            and (self.draft_policy is None or draft_cap == next_cap == 0 or self._drafts_follow(plan))
         step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests,
                                next_cap, followed)
         self._freed = []
         self._grammar_requests = []
         return SubmittedStep(plan, self.executor.submit(step_input), started, num_rows, draft_cap, followed, ahead)
+
+    def _drafts_follow(self, plan: SchedulerStep) -> bool:
+        """Whether a step may be followed by one sent ahead although it verifies drafts or its
+        successor takes some (MTP on one GPU): the worker then finds the accepted drafts, moves
+        the successor's rows on by them and drafts for it, all on the device. Only for a pure
+        decode step (the MTP module drafts from decode rows) of sequences without a grammar or a
+        penalty (both read the tokens on the host), each with its cache slots reserved as far
+        as that step's rows and the module's passes after it may reach."""
+        if not self._drafts_ahead:
+            return False
+        spec = self.config.speculative
+        assert spec is not None
+        bs = self.block_manager.block_size
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if chunk.num_tokens != 1 or not chunk.samples or seq.params.guided is not None \
+                    or seq.params.has_penalties:
+                return False
+            # The newest token, its drafts, and a pass past each draft the module may write.
+            reach = chunk.start + seq.num_in_flight_drafts + 1 + chunk.num_lookahead + spec.num_speculative_tokens + 1
+            if len(seq.block_ids) * bs < reach:
+                return False
+        return True
 
     def _take_deferred(self) -> list[RequestDelta]:
         """The previous step's masked deltas, their masks attached once the ids are on the host.
@@ -302,6 +328,7 @@ def _count_in_flight(plan: SchedulerStep, change: int) -> None:
     for chunk in plan.chunks:
         if chunk.samples:
             chunk.seq.num_in_flight += change
+            chunk.seq.num_in_flight_drafts = chunk.num_lookahead if change > 0 else 0
 
 
 def _pure_decode(chunks: list[ScheduledChunk], num_rows: int) -> bool:

@@ -103,7 +103,9 @@ class Scheduler:
                 continue  # its last token is being sampled: nothing after it to compute
             num = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + num
-            while may_preempt and not self.block_manager.can_grow(seq.block_ids, target):
+            # Drafts of the step in flight that may be accepted move this chunk on by as much.
+            reach = target + seq.num_in_flight_drafts
+            while may_preempt and not self.block_manager.can_grow(seq.block_ids, reach):
                 victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
                 if victim is None:
                     break
@@ -111,13 +113,13 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, target):
+            if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, reach):
                 num_blocked += seq.status == SeqStatus.RUNNING
                 continue
-            self.block_manager.grow(seq.block_ids, target)
+            self.block_manager.grow(seq.block_ids, reach)
             chunk = _chunk(seq, num)
             if num == 1 and chunk.samples:
-                chunk.num_lookahead = self._reserve_lookahead(seq, target, min(drafts, budget - num))
+                chunk.num_lookahead = self._reserve_lookahead(seq, reach, min(drafts, budget - num))
                 budget -= chunk.num_lookahead
                 decodes.append(chunk)
             else:
@@ -202,7 +204,9 @@ class Scheduler:
         for chunk in step.chunks:
             if chunk.seq.status != SeqStatus.RUNNING:  # finished or aborted since it was scheduled
                 continue
-            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            # From where the chunk really started: a verify step's accepted drafts, counted once
+            # its frame was read, moved a chunk scheduled ahead of that frame on.
+            chunk.seq.num_computed_tokens = max(chunk.seq.num_computed_tokens, chunk.start) + chunk.num_tokens
             if self.block_manager.enable_prefix_caching:
                 self.register_computed_blocks(chunk.seq)
 

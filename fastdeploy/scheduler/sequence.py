@@ -33,6 +33,9 @@ class Sequence:
     # Asynchronous scheduling: tokens a running step samples for this sequence that are not
     # known yet (0 or 1). The next step may compute them, as IN_FLIGHT_TOKEN.
     num_in_flight: int = 0
+    # ... and the drafts that step verifies (MTP drafting on the device, steps sent ahead with
+    # drafts): each may be accepted, so the next step's rows may sit that many positions further on.
+    num_in_flight_drafts: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # Prefix caching: the prefix hashes of this sequence's full blocks of known tokens
@@ -51,9 +54,10 @@ class Sequence:
     def tokens_left(self, max_model_len: int) -> int:
         """Tokens the sequence may still take after its known and in-flight ones (max_tokens,
         context length); at 0 the last one it may take is already known or in flight."""
-        left = max_model_len - self.num_tokens - self.num_in_flight
+        in_flight = self.num_in_flight + self.num_in_flight_drafts  # at most
+        left = max_model_len - self.num_tokens - in_flight
         if self.params.max_tokens is not None:
-            left = min(left, self.params.max_tokens - len(self.output_token_ids) - self.num_in_flight)
+            left = min(left, self.params.max_tokens - len(self.output_token_ids) - in_flight)
         return left
 
     @property

@@ -9,6 +9,7 @@ import torch
 
 from fastdeploy.common.step_input import ChunkInput, StepInput, WorkerEvents
 from fastdeploy.model_executor.device_inputs import upload_int64
+from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput, SamplingMetadata
 from fastdeploy.worker.sequence_state import WorkerSequence
 from fastdeploy.worker.step_output import StepOutput
@@ -36,6 +37,9 @@ class QueuedSampling:
     step: StepInput  # as sent: a redraw may have to run a successor again
     launch_index: int  # the runner's launch count when this step launched
     sampled_event: torch.cuda.Event | None  # CUDA: recorded after the sampler
+    # The drafts verified, on the device [B, S - 1], where the step before made them there
+    # (`slot_drafts` then holds placeholders of the right lengths); None: `slot_drafts` holds them.
+    device_drafts: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,18 +48,80 @@ class SampledTokens:
     next step, scheduled before they are known on the host, reads its in-flight tokens."""
 
     seq_ids: list[int]  # in the sampler's row order
-    tokens: torch.Tensor  # int64 [len(seq_ids)]
+    tokens: torch.Tensor  # int64 [len(seq_ids)]: each sequence's newest token (a verify step's last accepted)
+    # A verify step: the drafts each sequence accepted (int64 [len(seq_ids)]). The next step's
+    # rows of a sequence sit that many positions further on than the host, which has not seen
+    # the count, placed them. None: a step without drafts.
+    advance: torch.Tensor | None = None
+    # MTP drafting on the device after this step: int64 [len(seq_ids), cap], the next step's drafts.
+    drafts: torch.Tensor | None = None
 
-    def fill(self, input_ids: torch.Tensor, slots: list[tuple[int, int]], device: torch.device) -> None:
-        """input_ids[flat] = this step's token of seq_id, for each (flat, seq_id) of `slots`."""
+    def _rows(self, slots: list[tuple[int, int]]) -> list[int]:
         row_of = {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
         missing = [seq_id for _, seq_id in slots if seq_id not in row_of]
         if missing:
             raise RuntimeError(f"in-flight tokens of sequences the last step did not sample: {missing}")
-        flat, rows = upload_int64([[f for f, _ in slots], [row_of[seq_id] for _, seq_id in slots]], device)
+        return [row_of[seq_id] for _, seq_id in slots]
+
+    def fill(self, input_ids: torch.Tensor, slots: list[tuple[int, int]], device: torch.device) -> None:
+        """input_ids[flat] = this step's token of seq_id, for each (flat, seq_id) of `slots`."""
+        flat, rows = upload_int64([[f for f, _ in slots], self._rows(slots)], device)
         # A row the kept-set kernel left unsettled holds a negative marker until it is redrawn
         # (and the step run again); clamped so the embedding never reads outside the table.
         input_ids[flat] = self.tokens[rows].clamp(min=0)
+
+    def place(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              slots: list[tuple[int, int]], widths: list[int], sampled_seq_ids: list[int],
+              device: torch.device) -> torch.Tensor | None:
+        """`fill`, for a step whose in-flight sequences may also take their drafts from this one
+        and sit further on than the host placed them: each (flat, seq_id) of `slots` is followed
+        by `widths` draft rows (decode rows, the run the host laid out at its guess of the
+        position). The run's token ids come from `drafts`, and its positions, context lengths and
+        cache slots move on by `advance`, all on the device.
+
+        Returns the drafts each of the step's sampled sequences (`sampled_seq_ids`, the sampler's
+        row order) verifies, int64 [len(sampled_seq_ids), max(widths)], -1 past a sequence's own
+        (for the verification); None when no slot has drafts."""
+        if self.advance is None and self.drafts is None:
+            self.fill(input_ids, slots, device)
+            return None
+        if any(w and self.drafts is None for w in widths):
+            raise RuntimeError("draft rows of in-flight sequences, but the step before drafted none")
+        if self.advance is not None and max(f + w for (f, _), w in zip(slots, widths, strict=True)) \
+                >= meta.num_decode_tokens:
+            raise RuntimeError("an in-flight sequence that moved on is not a run of decode rows")
+        rows = self._rows(slots)
+        flat: list[int] = []
+        source: list[int] = []
+        offset: list[int] = []
+        for (first, _), row, width in zip(slots, rows, widths, strict=True):
+            flat.extend(range(first, first + width + 1))
+            source.extend([row] * (width + 1))
+            offset.extend(range(width + 1))
+        # Per sampled sequence: its row here and how many drafts it verifies (0: none).
+        drafting = {seq_id: (row, width) for (_, seq_id), row, width in zip(slots, rows, widths, strict=True)}
+        by_sampler = [drafting.get(seq_id, (0, 0)) for seq_id in sampled_seq_ids]
+        flat_d, source_d, offset_d, sampler_rows_d, sampler_widths_d = upload_int64(
+            [flat, source, offset, [r for r, _ in by_sampler], [w for _, w in by_sampler]], device)
+        tokens = self.tokens[source_d]
+        width = max(widths)
+        drafted = None
+        if width:
+            assert self.drafts is not None
+            cols = (offset_d - 1).clamp(min=0, max=self.drafts.shape[1] - 1)
+            tokens = torch.where(offset_d > 0, self.drafts[source_d, cols], tokens)
+            taken = torch.arange(width, device=device) < sampler_widths_d.unsqueeze(1)
+            drafted = torch.where(taken, self.drafts[sampler_rows_d, :width], -1)
+        input_ids[flat_d] = tokens.clamp(min=0)
+        if self.advance is not None:
+            advance = self.advance[source_d]
+            moved = positions[flat_d] + advance
+            positions[flat_d] = moved
+            meta.decode_context_lens[flat_d] += advance
+            bs = meta.block_size
+            tables = meta.decode_block_tables[flat_d]
+            meta.slot_mapping[flat_d] = tables.gather(1, (moved // bs).unsqueeze(1)).squeeze(1) * bs + moved % bs
+        return drafted
 
 
 @dataclass

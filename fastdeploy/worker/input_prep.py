@@ -71,15 +71,17 @@ def prepare_inputs(
     return ids_d, positions_d, metadata, sample_rows
 
 
-def in_flight_slots(chunks: list[ChunkInput]) -> list[tuple[int, int]]:
+def in_flight_slots(chunks: list[ChunkInput], drafts: dict[int, list[int]] | None = None) -> list[tuple[int, int]]:
     """(flat token index, seq_id) of every in-flight token, in the layout `prepare_inputs`
-    gives; only a chunk's last token can be in flight."""
+    gives; only a chunk's last token can be in flight, followed by its drafts where `drafts`
+    extended the chunk."""
     slots = []
     flat = 0
     for chunk in chunks:
         flat += len(chunk.token_ids)
-        if chunk.token_ids and chunk.token_ids[-1] == IN_FLIGHT_TOKEN:
-            slots.append((flat - 1, chunk.seq_id))
+        at = len(chunk.token_ids) - 1 - (len(drafts.get(chunk.seq_id, ())) if drafts else 0)
+        if at >= 0 and chunk.token_ids[at] == IN_FLIGHT_TOKEN:
+            slots.append((flat - len(chunk.token_ids) + at, chunk.seq_id))
     return slots
 
 

@@ -18,15 +18,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from fastdeploy.common.config import EngineConfig, ModelConfig, resolve_dtype
 from fastdeploy.common.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
-from fastdeploy.common.step_input import ChunkInput, NewSequence, StepInput, WorkerEvents
+from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput, NewSequence, StepInput, WorkerEvents
 from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_from_first, destroy_tensor_parallel
 from fastdeploy.distributed.shard import local_config
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner
+from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
@@ -127,6 +129,7 @@ class ModelRunner:
         self._after_frame: Callable[[], None] | None = None
         self._after_frame_error: BaseException | None = None
         self._next_draft_cap: int | None = None  # drafts the step after the running one may take
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._metadata_cache = input_prep.SamplingMetadataCache()  # a decode batch's unchanged sampling inputs
         # Called with a step finished early, inside the launch of the step behind it (a grammar
         # or a penalty reads its tokens): the worker process sends its frame from there, so the
@@ -203,7 +206,7 @@ class ModelRunner:
         of `ahead`, the step launched before it (still running when the engine schedules ahead)."""
         if not step.chunks:
             return InFlightStep(events, finished=StepOutput(pack_step_frame(_empty_frame(step.message_id)), events))
-        drafts = self._propose_drafts(step.chunks)
+        drafts = self._propose_drafts(step.chunks, predecessor)
         if drafts and self.guided is not None:
             trim_drafts_to_grammar(self.guided.states, drafts)
             drafts = {seq_id: d for seq_id, d in drafts.items() if d}
@@ -214,11 +217,14 @@ class ModelRunner:
         self._plans.send(chunks, drafts)
         input_ids, positions, attn_metadata, sample_rows = input_prep.prepare_inputs(
             chunks, drafts, self.block_size, self.device)
-        in_flight = input_prep.in_flight_slots(chunks)
+        in_flight = input_prep.in_flight_slots(chunks, drafts)
+        device_drafts = None  # the drafts verified here, where the host has only their number
         if in_flight:
             if predecessor is None:
                 raise RuntimeError("a step computes in-flight tokens, but the step before it sampled none")
-            predecessor.fill(input_ids, in_flight, self.device)
+            device_drafts = predecessor.place(input_ids, positions, attn_metadata, in_flight,
+                                              [len(drafts.get(seq_id, ())) for _, seq_id in in_flight], seq_ids,
+                                              self.device)
             broadcast_from_first(input_ids)  # the other ranks' plan has placeholders there
         hidden = self._forward(input_ids, positions, attn_metadata)
         if not seq_ids:
@@ -257,25 +263,43 @@ class ModelRunner:
             metadata = input_prep.sampling_metadata(sampled_states, self.config.logprobs_mode, self.device)
         metadata.token_bitmask = self._bitmask(seq_ids, slot_drafts, bool(drafts))
         assert metadata.row_groups is not None  # sampling_metadata always splits the rows
-        may_redraw = self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
+        next_cap = self._next_draft_cap if self._next_draft_cap is not None else self.num_speculative_tokens
+        # A step sent ahead of this one's frame that verifies (or takes drafts made from) these
+        # tokens cannot be run again if one is drawn again: such a step settles its kept sets now.
+        settle = step.followed and (bool(drafts) or (self.mtp is not None and next_cap > 0)) \
+            and bool(metadata.row_groups.host[1])
+        may_redraw = not settle and self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
-        sampled = self.sampler(logits, metadata, settle_kept_sets=False)
+        sampled = self.sampler(logits, metadata, settle_kept_sets=settle)
+        accepted = None
         if not drafts:  # what a step scheduled ahead of this one's frame reads as its in-flight tokens
             self._last_sampled = SampledTokens(seq_ids, sampled.sampled_token_ids)
+        elif step.followed:  # ... moved on by the drafts each sequence accepts, found on the device
+            accepted, newest = slot_layout.accepted_tokens(slot_drafts, sampled.sampled_token_ids, device_drafts)
+            self._last_sampled = SampledTokens(seq_ids, newest, advance=accepted.long() - 1)
         if self.mtp is not None and step.followed:
             # The next step runs before this one's tokens reach the host (and may overwrite its
             # hidden states): the MTP module takes this step in now, its tokens from the device.
-            # The engine follows only a step without drafts by one without drafts.
-            assert self._last_sampled is not None and self._next_draft_cap == 0, \
-                "a followed step neither verifies nor drafts"
-            self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
+            assert self._last_sampled is not None
+            if drafts or next_cap > 0:
+                # The engine follows only a pure decode step so (every row sampled, in order).
+                assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
+                    "a followed step that verifies or drafts decodes only"
+                draft_rows = None
+                if accepted is not None:
+                    starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
+                    draft_rows = upload_int64([starts], self.device)[0] + accepted.long() - 1
+                self._last_sampled.drafts = self.mtp.draft_in_flight(
+                    hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids, draft_rows, next_cap)
+            else:
+                self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
         done = None
         if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()
             done.record()
         return InFlightStep(events, QueuedSampling(step.message_id, chunks, drafts, seq_ids, slot_drafts, states,
                                                    hidden, logits, metadata, may_redraw, rng_states, sampled,
-                                                   step, self._launches, done))
+                                                   step, self._launches, done, device_drafts))
 
     @torch.inference_mode()
     def finish(self, step: InFlightStep) -> StepOutput:
@@ -337,6 +361,8 @@ class ModelRunner:
                 counts = kept
         for state, run in zip(q.states, runs, strict=True):
             state.output_token_ids.extend(run)
+        if q.drafts and q.step.followed and successor is not None and successor.sampling is not None:
+            _move_on(successor.sampling, dict(zip(q.seq_ids, counts, strict=True)))
         if q.drafts:
             events.num_verified_sequences = len(q.drafts)
             events.num_draft_tokens = sum(len(d) for d in q.slot_drafts)
@@ -373,7 +399,7 @@ class ModelRunner:
         sequences) as an in-flight token: same inputs, same K/V slots, and each seeded
         generator back where it was before its first run."""
         q = successor.sampling
-        if q is None or not any(seq_id in redrawn for _, seq_id in input_prep.in_flight_slots(q.chunks)):
+        if q is None or not any(seq_id in redrawn for _, seq_id in input_prep.in_flight_slots(q.chunks, q.drafts)):
             return
         # A redrawn row truncates, so the successor, which samples it too, kept its generators' states.
         assert q.may_redraw, "a successor of a redrawn row records its generator states"
@@ -399,7 +425,8 @@ class ModelRunner:
 
     def _pack(self, q: QueuedSampling, sampled: SamplerOutput) -> PackedStep:
         assert self.packer is not None, "only the sampling rank packs"
-        return self.packer.pack(slot_layout.step_slots(q.message_id, q.seq_ids, q.slot_drafts, sampled))
+        return self.packer.pack(slot_layout.step_slots(q.message_id, q.seq_ids, q.slot_drafts, sampled,
+                                                       q.device_drafts))
 
     def _take_step_input(self, step: StepInput) -> WorkerEvents:
         """The step's sequence and grammar bookkeeping, before any chunk runs."""
@@ -438,7 +465,7 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids, positions, attn_metadata, sample_rows = input_prep.prepare_inputs(
                 plan.chunks, plan.drafts, self.block_size, self.device)
-            if input_prep.in_flight_slots(plan.chunks):  # tokens only rank 0 sampled, from rank 0
+            if input_prep.in_flight_slots(plan.chunks, plan.drafts):  # tokens only rank 0 sampled, from rank 0
                 broadcast_from_first(input_ids)
             hidden = self._forward(input_ids, positions, attn_metadata)
             if sample_rows:
@@ -464,11 +491,17 @@ class ModelRunner:
             return bitmask
         return bitmask.to(self.device, non_blocking=True)
 
-    def _propose_drafts(self, chunks: list[ChunkInput]) -> dict[int, list[int]]:
-        """Draft tokens per decoding sequence that has lookahead slots reserved (non-empty only)."""
+    def _propose_drafts(self, chunks: list[ChunkInput], predecessor: SampledTokens | None) -> dict[int, list[int]]:
+        """Draft tokens per decoding sequence that has lookahead slots reserved (non-empty only).
+        Drafts the step before made on the device (MTP, that step still running) are placeholders
+        here, written on the device (`SampledTokens.place`); only sequences in flight have them."""
         drafts = {}
         if self.mtp is not None:
             self.mtp.take_drafts(self.sequences)
+            if predecessor is not None and predecessor.drafts is not None:
+                width = predecessor.drafts.shape[1]
+                return {c.seq_id: [0] * min(c.num_lookahead, width) for c in chunks
+                        if c.num_lookahead > 0 and c.token_ids[-1] == IN_FLIGHT_TOKEN}
         for chunk in chunks:
             if chunk.num_lookahead <= 0:
                 continue
@@ -505,6 +538,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         destroy_tensor_parallel()
+
+
+def _move_on(successor: QueuedSampling, counts: dict[int, int]) -> None:
+    """Where the successor of a verify step really ran: each of its in-flight sequences one
+    position further on per draft that step accepted (the device moved them at launch; the
+    host's chunks learn it with the frame), for the work that reads them after its own frame."""
+    moved = {seq_id for _, seq_id in input_prep.in_flight_slots(successor.chunks, successor.drafts)}
+    successor.chunks = [msgspec.structs.replace(c, start=c.start + counts[c.seq_id] - 1)
+                        if c.seq_id in moved and c.seq_id in counts else c for c in successor.chunks]
 
 
 def _restore_generators(generators: list[torch.Generator | None], states: list[torch.Tensor | None]) -> None:

@@ -15,7 +15,7 @@ from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
-from fastdeploy.spec_decode.mtp_pass import MTPPass
+from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
 from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.worker.graph_capture import DecodeShape
 from fastdeploy.worker.in_flight_step import SampledTokens
@@ -76,6 +76,38 @@ class MTPStep:
             work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
             self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
         self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
+
+    def draft_in_flight(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        row_tokens: torch.Tensor, seq_ids: list[int], draft_rows: torch.Tensor | None,
+                        cap: int) -> torch.Tensor | None:
+        """`feed` for a pure decode step (a run of decode rows per sequence: its newest token, then
+        any drafts it verified) whose successor launches before its tokens reach the host, and
+        takes `cap` drafts per sequence from the device: int64 [len(seq_ids), cap] (None for cap 0).
+
+        Every row r of the step (position p, hidden row r, `row_tokens[r]` sampled there) gives the
+        pair at p + 1; a sequence's pairs past its accepted tokens are written too, beyond its
+        newest token, where the next pass over that sequence writes again before any row reads
+        them. The sequence drafts from its last accepted row (`draft_rows`, one per sequence, on
+        the device; None: every row is one sequence's), then from each draft in turn. `positions`
+        and `meta`: the step's own inputs on the device, as the step ran."""
+        shifted, next_meta = next_position_metadata(positions, meta.decode_context_lens, meta.decode_block_tables,
+                                                    self.block_size)
+        tokens = row_tokens.clamp(min=0)  # an unsettled marker: never here, the step settled its sets
+        self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
+        if cap == 0:
+            self.mtp_pass.fill(tokens, hidden, shifted, next_meta)
+            return None
+        hidden, drafted = self.mtp_pass(tokens, hidden, shifted, next_meta, draft_rows)
+        drafts = [drafted]
+        lens, tables = next_meta.decode_context_lens, next_meta.decode_block_tables
+        if draft_rows is not None:
+            shifted, lens, tables = shifted[draft_rows], lens[draft_rows], tables[draft_rows]
+        for _ in range(1, cap):
+            shifted, pass_meta = next_position_metadata(shifted, lens, tables, self.block_size)
+            lens = pass_meta.decode_context_lens
+            hidden, drafted = self.mtp_pass(drafted, hidden, shifted, pass_meta, None)
+            drafts.append(drafted)
+        return torch.stack(drafts, dim=1)
 
     def _next_slots_reserved(self, chunks: list[ChunkInput], seq_ids: list[int]) -> bool:
         """Whether the step is one token per sampled row, in the sampler's row order (`seq_ids`),

@@ -14,11 +14,13 @@ from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
 from fastdeploy.spec_decode.verification import accept_counts
 
 
-def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]], out: SamplerOutput) -> StepSlots:
+def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]], out: SamplerOutput,
+               drafted: torch.Tensor | None = None) -> StepSlots:
     """The sampler's rows (each sequence's verified slots, one after another) as the [B, S] slot
     layout the packer op reads, with the accept counts decided on the device: a sequence keeps
     its drafts up to the first one its own sample disagrees with, plus that sample. Slots a
-    sequence did not verify are padding and never accepted."""
+    sequence did not verify are padding and never accepted. `drafted`: the drafts on the
+    device (see `verified_slots`), where the host has only their number."""
     sampled = out.sampled_token_ids
     device = sampled.device
     logprobs, mask = _logprob_parts(out), _mask_parts(out)
@@ -40,17 +42,8 @@ def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]]
         if out.mask_bits is not None:
             slots.mask_bits = out.mask_bits.view(batch, 1, -1)
         return slots
-    starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
-    index = np.full((batch, width), -1, dtype=np.int64)
-    drafted = np.full((batch, width - 1), -1, dtype=np.int64)  # -1 never equals a sampled token
-    for b, (start, draft) in enumerate(zip(starts, slot_drafts, strict=True)):
-        index[b, :len(draft) + 1] = np.arange(start, start + len(draft) + 1)
-        drafted[b, :len(draft)] = draft
-    seq_ids_d, index_d, drafted_d = upload_int64([seq_ids, index, drafted], device)
-    index_d, drafted_d = index_d.view(batch, width), drafted_d.view(batch, width - 1)
-    valid = index_d >= 0
-    rows = index_d.clamp(min=0)
-    tokens = sampled[rows]
+    seq_ids_d, = upload_int64([seq_ids], device)
+    rows, valid, tokens, drafted_d = verified_slots(slot_drafts, sampled, drafted)
     slots = StepSlots(
         message_id=message_id,
         seq_ids=seq_ids_d,
@@ -71,6 +64,42 @@ def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]]
     if out.mask_bits is not None:
         slots.mask_bits = out.mask_bits[rows]  # padding slots are never accepted, so never read
     return slots
+
+
+def verified_slots(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify step's sampler rows as [B, S] slots: (sampler row of each slot, clamped; whether
+    the slot is real; the token sampled there; the draft it checks, -1 where none). `drafted`:
+    int64 [B, >= S - 1] drafts already on the device (-1 past a sequence's own; MTP drafting
+    ahead), in place of the values of `slot_drafts`, of which only the lengths are read then."""
+    device = sampled.device
+    batch = len(slot_drafts)
+    width = 1 + max(len(d) for d in slot_drafts)
+    starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
+    index = np.full((batch, width), -1, dtype=np.int64)
+    host_drafted = np.full((batch, width - 1), -1, dtype=np.int64)  # -1 never equals a sampled token
+    for b, (start, draft) in enumerate(zip(starts, slot_drafts, strict=True)):
+        index[b, :len(draft) + 1] = np.arange(start, start + len(draft) + 1)
+        if drafted is None:
+            host_drafted[b, :len(draft)] = draft
+    if drafted is None:
+        index_d, drafted_d = upload_int64([index, host_drafted], device)
+        drafted_d = drafted_d.view(batch, width - 1)
+    else:
+        index_d, = upload_int64([index], device)
+        drafted_d = drafted[:, :width - 1]
+    index_d = index_d.view(batch, width)
+    rows = index_d.clamp(min=0)
+    return rows, index_d >= 0, sampled[rows], drafted_d
+
+
+def accepted_tokens(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens each sequence accepts, int32 [B]; its last accepted token, int64 [B]) of a verify
+    step, on the device: what the step sent after it reads before the host has seen either."""
+    _, _, tokens, drafted_d = verified_slots(slot_drafts, sampled, drafted)
+    counts = accept_counts(tokens, drafted_d)
+    return counts, tokens.gather(1, (counts.long() - 1).unsqueeze(1)).squeeze(1)
 
 
 def _logprob_parts(out: SamplerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -395,76 +395,149 @@ def test_adaptive_ngram_pipelines_its_steps_without_drafts(model_dir) -> None:
     assert not any(ahead for cap, _, ahead in policy.observed if cap > 0)
 
 
-def test_adaptive_mtp_pipelines_its_steps_without_drafts(model_dir, tmp_path_factory, monkeypatch) -> None:
-    """MTP's steps without drafts go out ahead too; the MTP module then takes each such step in
-    at its launch, the newest tokens read from the device. Its K/V are what the in-turn path
-    writes: wherever both runs draft for a sequence at a position, the drafts are the same
-    (a random head, greedy), and the text is that of decoding without speculation."""
+@pytest.fixture(scope="module")
+def predictable_dir(tmp_path_factory) -> str:
+    """A model whose next token is mostly a function of the token itself (its layers write into
+    the residual stream at a small scale), the context still moving its logits: drafts of a head
+    that computes that function are mostly accepted, and K/V read from a wrong place show."""
+    return save_random_qwen2(tmp_path_factory.mktemp("qwen2_predictable"), vocab_size=VOCAB, write_scale=5e-4)
+
+
+@pytest.fixture(scope="module")
+def mtp_head_dir(predictable_dir, tmp_path_factory) -> str:
+    """An MTP head for `predictable_dir` that predicts its next token: the head passes the token's
+    embedding on (its hidden input unused) and its block writes at the same small scale."""
     from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config, save_mtp_head
-    from fastdeploy.spec_decode.mtp_proposer import MTPProposer
+    from fastdeploy.worker.model_runner import ModelRunner
+
+    torch.manual_seed(4)
+    model_config = ModelRunner(_config(predictable_dir, "off")).model_config
+    head = MTPHead(mtp_config(model_config))
+    hidden = model_config.hidden_size
+    with torch.no_grad():
+        head.enorm.weight.fill_(1.0)
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, :hidden] = torch.eye(hidden)
+        for weight in (head.layer.self_attn.o_proj.weight, head.layer.mlp.down_proj.weight):
+            weight.mul_(5e-4 / weight.std())
+    head_dir = str(tmp_path_factory.mktemp("mtp_async"))
+    save_mtp_head(head, head_dir, dtype=torch.float32)
+    return head_dir
+
+
+# Caps the scripted policy gives, step after step: runs without drafts, with 2, with 1.
+MTP_SCRIPT = [0, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0, 0, 2, 2, 2, 1, 0, 2] * 3
+
+
+def _mtp_core(model_dir: str, head_dir: str, mode: str, device: str = "cpu") -> tuple[EngineCore, RecordingExecutor]:
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2, model=head_dir)
+    config = dataclasses.replace(_config(model_dir, mode, device=device), speculative=spec)
+    executor = RecordingExecutor(config)
+    core = EngineCore(config, executor)
+    core.draft_policy = ScriptedCaps(list(MTP_SCRIPT))  # type: ignore[assignment]
+    return core, executor
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir, mtp_head_dir, monkeypatch,
+                                                                device) -> None:
+    """MTP's steps go out ahead whatever their drafts: the worker finds each verify step's
+    accepted drafts on the device, moves the step sent after it on by them, and the MTP module
+    drafts for that step there too (a step without drafts feeds the module at its launch). The
+    module's K/V are what the in-turn path writes: wherever both runs draft for a sequence at a
+    position, the drafts are the same (a random head, greedy), and the text is that of decoding
+    without speculation."""
     from fastdeploy.worker.model_runner import ModelRunner
     from fastdeploy.worker.mtp_step import MTPStep
 
-    off = _config(model_dir, "off")
+    model_dir = predictable_dir
+    off = _config(model_dir, "off", device=device)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [12, 13, 14, 15, 16]]
 
     def requests() -> list[EngineRequest]:
-        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24), 0.0)
+        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24, logprobs=3), 0.0)
                 for i, p in enumerate(prompts)]
 
-    plain_core = EngineCore(off, InProcessExecutor(off))
-    torch.manual_seed(4)
-    head_dir = str(tmp_path_factory.mktemp("mtp_async"))
-    save_mtp_head(MTPHead(mtp_config(plain_core.executor.runner.model_config)), head_dir, dtype=torch.float32)
-    plain = _run(plain_core, requests())
-
-    drafted: dict[str, dict[tuple[int, int], list[int]]] = {}
-    in_flight_feeds: list[int] = []
-    derived_fills: list[int] = []
+    plain = _run(EngineCore(off, InProcessExecutor(off)), requests())
+    drafted: dict[str, dict[tuple[int, int], list[int]]] = {"off": {}, "on": {}}
+    calls = {"fill": 0, "draft": 0}
     propose_drafts = ModelRunner._propose_drafts
     feed_in_flight = MTPStep.feed_in_flight
-    fill_after_decode = MTPProposer.fill_after_decode
+    draft_in_flight = MTPStep.draft_in_flight
 
-    def run(mode: str) -> tuple[dict, list[StepInput]]:
-        log = drafted.setdefault(mode, {})
+    def recording(self, chunks, predecessor):  # drafts made on the host (steps in turn)
+        drafts = propose_drafts(self, chunks, predecessor)
+        if predecessor is None or predecessor.drafts is None:
+            drafted[self.config.async_scheduling].update(
+                {(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
+        return drafts
 
-        def recording(self, chunks):
-            drafts = propose_drafts(self, chunks)
-            log.update({(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
-            return drafts
+    def counting_fill(self, *args, **kwargs):
+        calls["fill"] += 1
+        return feed_in_flight(self, *args, **kwargs)
 
-        def counting(self, *args, **kwargs):
-            in_flight_feeds.append(1)
-            return feed_in_flight(self, *args, **kwargs)
+    def recording_device(self, hidden, positions, meta, row_tokens, seq_ids, draft_rows, cap):
+        calls["draft"] += 1
+        drafts = draft_in_flight(self, hidden, positions, meta, row_tokens, seq_ids, draft_rows, cap)
+        if drafts is not None:
+            # Keyed by where the step after drafts them: the position after the newest token.
+            newest = positions if draft_rows is None else positions[draft_rows]
+            for seq_id, at, row in zip(seq_ids, newest.tolist(), drafts.tolist(), strict=True):
+                drafted["on"][(seq_id, at + 1)] = row
+        return drafts
 
-        def counting_derived(self, *args, **kwargs):
-            derived_fills.append(1)
-            return fill_after_decode(self, *args, **kwargs)
-
-        monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
-        monkeypatch.setattr(MTPStep, "feed_in_flight", counting)
-        monkeypatch.setattr(MTPProposer, "fill_after_decode", counting_derived)
-        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2, model=head_dir)
-        config = dataclasses.replace(_config(model_dir, mode), speculative=spec)
-        executor = RecordingExecutor(config)
-        core = EngineCore(config, executor)
-        script = [0, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 2] * 3
-        core.draft_policy = ScriptedCaps(script)  # type: ignore[assignment]
-        return _run(core, requests()), executor.sent
-
-    in_turn, _ = run("off")
-    assert not in_flight_feeds
-    pipelined, sent = run("on")
+    monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
+    monkeypatch.setattr(MTPStep, "feed_in_flight", counting_fill)
+    monkeypatch.setattr(MTPStep, "draft_in_flight", recording_device)
+    core, _ = _mtp_core(model_dir, mtp_head_dir, "off", device)
+    in_turn = _run(core, requests())
+    assert calls == {"fill": 0, "draft": 0}
+    core, executor = _mtp_core(model_dir, mtp_head_dir, "on", device)
+    pipelined = _run(core, requests())
     _assert_same(in_turn, plain)
     _assert_same(pipelined, plain)
+    # Accepted drafts in steps sent ahead: their successors were moved on, on the device.
+    assert core.spec_stats.num_accepted_draft_tokens >= 10, core.spec_stats
+    sent = executor.sent
     followed, in_flight = _pipelined(sent)
-    # Every followed step that sampled fed the module at its launch (one that only computed
-    # part of a prompt feeds it there anyway).
-    assert followed >= 5 and in_flight >= 10 and 5 <= len(in_flight_feeds) <= followed, (followed, in_flight_feeds)
-    # Pure decode steps derive the module's inputs from their own on the device; steps that also
-    # computed part of a prompt take the per-sequence path.
-    assert 3 <= len(derived_fills) < len(in_flight_feeds), (derived_fills, in_flight_feeds)
+    verified_ahead = [step for step in sent
+                      if any(c.num_lookahead and IN_FLIGHT_TOKEN in c.token_ids for c in step.chunks)]
+    followed_verifying = [step for step in sent if step.followed and any(c.num_lookahead for c in step.chunks)]
+    assert followed >= 10 and in_flight >= 20, (followed, in_flight)
+    assert len(verified_ahead) >= 4 and len(followed_verifying) >= 4, (len(verified_ahead), len(followed_verifying))
+    assert calls["draft"] >= 6 and calls["fill"] >= 1, calls
     both = drafted["off"].keys() & drafted["on"].keys()
-    assert len(both) >= 3, (drafted["off"].keys(), drafted["on"].keys())
+    assert len(both) >= 6, (sorted(drafted["off"]), sorted(drafted["on"]))
     for key in both:
-        assert drafted["on"][key] == drafted["off"][key], key
+        n = min(len(drafted["off"][key]), len(drafted["on"][key]))
+        assert drafted["on"][key][:n] == drafted["off"][key][:n], key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mtp_drafts_ahead_keep_every_request_as_in_turn(predictable_dir, mtp_head_dir, device) -> None:
+    """Seeded sampling, logprobs, sampling masks and a stop token under MTP: with verify steps
+    sent ahead every request gets what the same caps give in turn. Near max_tokens a step sent
+    ahead may take fewer drafts (the host does not know yet how many the step before accepted,
+    so it counts them all), and a seeded row's later draws follow its draft layout: the last
+    2 (k + 1) tokens of a sampled row may differ; a greedy row's may not."""
+    import msgspec
+
+    def requests() -> list[EngineRequest]:
+        out = _requests()
+        for request in out:
+            request.params = msgspec.structs.replace(request.params, max_tokens=24)
+        return out
+
+    core, _ = _mtp_core(predictable_dir, mtp_head_dir, "off", device)
+    in_turn = _run(core, requests())
+    core, executor = _mtp_core(predictable_dir, mtp_head_dir, "on", device)
+    pipelined = _run(core, requests())
+    assert core.spec_stats.num_accepted_draft_tokens >= 5, core.spec_stats
+    assert any(step.followed and any(c.num_lookahead for c in step.chunks) for step in executor.sent)
+    for request_id, want in in_turn.items():
+        got = pipelined[request_id]
+        cut = len(want["tokens"]) - (0 if request_id == "r2" else 6)  # r2: greedy
+        assert cut >= 10 and got["tokens"][:cut] == want["tokens"][:cut], request_id
+        assert got["masks"][:cut] == want["masks"][:cut], request_id
+        torch.testing.assert_close(torch.tensor(got["logprobs"][:cut]), torch.tensor(want["logprobs"][:cut]),
+                                   atol=1e-4, rtol=0)
