@@ -16,9 +16,12 @@ copies one tensor and replays one graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner, DecodeBuffers, GraphRunner, capture_sizes
+from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import MTPHead
@@ -27,10 +30,11 @@ from fastdeploy.model_executor.models.mtp import MTPHead
 class MTPPass:
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, kv_cache: torch.Tensor,
                  buffers: DecodeBuffers | None = None, decode: CudaGraphRunner | None = None,
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, num_drafts: int = 0) -> None:
         """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly. `decode`:
         the target's captured decode steps, which `fill_after_decode` follows for steps of up
-        to `max_num_seqs` sequences."""
+        to `max_num_seqs` sequences, and `draft_after_decode` for any of them, with up to
+        `num_drafts` drafts."""
         self.head = head
         self.target = target
         self.kv_cache = kv_cache
@@ -45,11 +49,22 @@ class MTPPass:
                                            device=weight.device)
             self.graphs = GraphRunner(self._graph_forward, capture_sizes(buffers.capacity), "MTP")
             self.fill_graphs = GraphRunner(self._graph_fill, capture_sizes(buffers.capacity), "MTP cache fill")
+        # Per draft cap: the passes that draft for a step sent ahead, after a decode step replayed.
+        self.draft_graphs: dict[int, GraphRunner[torch.Tensor]] = {}
         if decode is not None and max_num_seqs > 0:
+            device = decode.buffers.input_ids.device
             sizes = decode.graphs.sizes[:decode.graphs.sizes.index(decode.graphs.padded_size(max_num_seqs)) + 1]
             # The tokens a decode step sampled, copied here: the sampler's output moves per step.
-            self.sampled_ids = torch.zeros(sizes[-1], dtype=torch.long, device=decode.buffers.input_ids.device)
+            self.sampled_ids = torch.zeros(decode.buffers.capacity, dtype=torch.long, device=device)
             self.after_decode_graphs = GraphRunner(self._graph_fill_after_decode, sizes, "MTP cache fill after decode")
+            # Per drafting sequence: its first row in the step, the tokens it accepted there, and
+            # whether the entry is one (rows past the step's sequences are padding).
+            self.run_starts = torch.zeros(decode.buffers.capacity, dtype=torch.long, device=device)
+            self.run_accepted = torch.ones(decode.buffers.capacity, dtype=torch.long, device=device)
+            self.run_live = torch.zeros(decode.buffers.capacity, dtype=torch.bool, device=device)
+            for cap in range(1, num_drafts + 1):
+                self.draft_graphs[cap] = GraphRunner(functools.partial(self._graph_draft_after_decode, cap=cap),
+                                                     decode.graphs.sizes, f"MTP drafts after decode (cap {cap})")
 
     def capture(self) -> None:
         if self.graphs is not None and self.fill_graphs is not None:
@@ -57,6 +72,8 @@ class MTPPass:
             self.fill_graphs.capture()
         if self.after_decode_graphs is not None:
             self.after_decode_graphs.capture()
+        for graphs in self.draft_graphs.values():
+            graphs.capture()
 
     def _hidden(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -88,11 +105,63 @@ class MTPPass:
         # An unsettled row's negative marker is clamped, as `SampledTokens.fill` does.
         return self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
 
+    def _graph_draft_after_decode(self, batch: int, cap: int) -> torch.Tensor:
+        """`cap` drafts for each sequence of a decode step of `batch` rows the target replayed:
+        pairs p+1 of every row (as `_graph_fill_after_decode`), then each live sequence drafts
+        from its last accepted row, and again from each draft. Padding entries attend to nothing
+        and write to the spare slot. int64 [batch, cap], entry i for sequence i."""
+        decode = self.decode
+        assert decode is not None, "captured only after the target's decode graphs"
+        t = decode.buffers
+        positions, meta = next_position_metadata(t.positions[:batch], t.context_lens[:batch], t.block_tables[:batch],
+                                                 t.block_size, t.pad_slot)
+        hidden = self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
+        live = self.run_live[:batch]
+        rows = torch.where(live, self.run_starts[:batch] + self.run_accepted[:batch] - 1, 0)
+        hidden = hidden.index_select(0, rows)
+        drafted = self._draft(hidden)
+        drafts = [drafted]
+        positions = positions.index_select(0, rows)
+        lens = torch.where(live, meta.decode_context_lens.index_select(0, rows), 0)
+        tables = meta.decode_block_tables.index_select(0, rows)
+        for _ in range(1, cap):
+            positions, pass_meta = next_position_metadata(positions, lens, tables, t.block_size, t.pad_slot)
+            lens = pass_meta.decode_context_lens
+            hidden = self._hidden(drafted, hidden, positions, pass_meta)
+            drafted = self._draft(hidden)
+            drafts.append(drafted)
+        return torch.stack(drafts, dim=1)
+
+    def drafts_after_decode_graph(self, num_rows: int, meta: AttentionMetadata) -> bool:
+        """Whether the target ran a decode step of `num_rows` rows (and `meta`) as a graph that
+        `draft_after_decode` has passes for."""
+        return bool(self.draft_graphs) and self.decode is not None and self.decode.can_run(num_rows, meta)
+
+    def draft_after_decode(self, row_tokens: torch.Tensor, starts: list[int], accepted: torch.Tensor | None,
+                           cap: int) -> torch.Tensor:
+        """`cap` drafts (int64 [len(starts), cap], fresh) for each sequence of the decode step the
+        target just replayed (`drafts_after_decode_graph`): `row_tokens`, the token sampled at each
+        of its rows; `starts`, each sequence's first row; `accepted`, the tokens each accepted
+        there (on the device; None: one each)."""
+        assert self.decode is not None
+        n, b = row_tokens.shape[0], len(starts)
+        batch = self.decode.graphs.padded_size(n)
+        self.sampled_ids[:n].copy_(row_tokens)
+        starts_d, live_d = upload_int64([starts + [0] * (batch - b), [1] * b + [0] * (batch - b)],
+                                        row_tokens.device)
+        self.run_starts[:batch].copy_(starts_d)
+        self.run_live[:batch].copy_(live_d)
+        if accepted is None:
+            self.run_accepted[:b].fill_(1)
+        else:
+            self.run_accepted[:b].copy_(accepted)
+        return self.draft_graphs[cap].replay(batch)[:b].clone()
+
     def follows_decode_graph(self, num_rows: int, meta: AttentionMetadata) -> bool:
         """Whether the target ran a decode step of `num_rows` rows (and `meta`) as a graph this
         pass has a fill for."""
         return (self.after_decode_graphs is not None and self.decode is not None
-                and self.decode.can_run(num_rows, meta) and num_rows <= self.sampled_ids.shape[0])
+                and self.decode.can_run(num_rows, meta) and num_rows <= self.after_decode_graphs.sizes[-1])
 
     def fill_after_decode(self, tokens: torch.Tensor) -> None:
         """`fill` of pair p+1 = (hidden, `tokens`) for every row of the decode step the target

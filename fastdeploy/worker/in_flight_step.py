@@ -12,6 +12,7 @@ from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput, SamplingMetadata
 from fastdeploy.worker.sequence_state import WorkerSequence
+from fastdeploy.worker.slot_layout import VerifiedSlots
 from fastdeploy.worker.step_output import StepOutput
 
 
@@ -40,6 +41,7 @@ class QueuedSampling:
     # The drafts verified, on the device [B, S - 1], where the step before made them there
     # (`slot_drafts` then holds placeholders of the right lengths); None: `slot_drafts` holds them.
     device_drafts: torch.Tensor | None = None
+    verified: VerifiedSlots | None = None  # a verify step sent with a successor: its accept counts
 
 
 @dataclass

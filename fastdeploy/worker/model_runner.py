@@ -28,7 +28,6 @@ from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput, NewSequenc
 from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_from_first, destroy_tensor_parallel
 from fastdeploy.distributed.shard import local_config
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner
-from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
@@ -271,12 +270,12 @@ class ModelRunner:
         may_redraw = not settle and self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
         sampled = self.sampler(logits, metadata, settle_kept_sets=settle)
-        accepted = None
+        verified = None
         if not drafts:  # what a step scheduled ahead of this one's frame reads as its in-flight tokens
             self._last_sampled = SampledTokens(seq_ids, sampled.sampled_token_ids)
         elif step.followed:  # ... moved on by the drafts each sequence accepts, found on the device
-            accepted, newest = slot_layout.accepted_tokens(slot_drafts, sampled.sampled_token_ids, device_drafts)
-            self._last_sampled = SampledTokens(seq_ids, newest, advance=accepted.long() - 1)
+            verified = slot_layout.verify(slot_drafts, sampled.sampled_token_ids, device_drafts)
+            self._last_sampled = SampledTokens(seq_ids, verified.newest, advance=verified.accepted.long() - 1)
         if self.mtp is not None and step.followed:
             # The next step runs before this one's tokens reach the host (and may overwrite its
             # hidden states): the MTP module takes this step in now, its tokens from the device.
@@ -285,12 +284,10 @@ class ModelRunner:
                 # The engine follows only a pure decode step so (every row sampled, in order).
                 assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
                     "a followed step that verifies or drafts decodes only"
-                draft_rows = None
-                if accepted is not None:
-                    starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
-                    draft_rows = upload_int64([starts], self.device)[0] + accepted.long() - 1
+                starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
                 self._last_sampled.drafts = self.mtp.draft_in_flight(
-                    hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids, draft_rows, next_cap)
+                    hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids, starts,
+                    None if verified is None else verified.accepted, next_cap)
             else:
                 self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
         done = None
@@ -299,7 +296,7 @@ class ModelRunner:
             done.record()
         return InFlightStep(events, QueuedSampling(step.message_id, chunks, drafts, seq_ids, slot_drafts, states,
                                                    hidden, logits, metadata, may_redraw, rng_states, sampled,
-                                                   step, self._launches, done, device_drafts))
+                                                   step, self._launches, done, device_drafts, verified))
 
     @torch.inference_mode()
     def finish(self, step: InFlightStep) -> StepOutput:
@@ -318,7 +315,7 @@ class ModelRunner:
         successor = self._latest if behind and self._latest is not step else None
         relaunch: tuple[SampledTokens, set[int]] | None = None
         with self._frame_stream(q.sampled_event if behind else None):
-            packed = self._pack(q, sampled)
+            packed = self._pack(q, sampled, q.verified)
             del sampled
             tokens = packed.frame.token_ids.tolist()
             if q.may_redraw and UNSETTLED_TOKEN in tokens:
@@ -423,10 +420,12 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - re-raised by the next launch
             self._after_frame_error = exc
 
-    def _pack(self, q: QueuedSampling, sampled: SamplerOutput) -> PackedStep:
+    def _pack(self, q: QueuedSampling, sampled: SamplerOutput,
+              verified: slot_layout.VerifiedSlots | None = None) -> PackedStep:
+        """`verified`: the accept counts of `sampled`, found at launch (a redraw finds its own)."""
         assert self.packer is not None, "only the sampling rank packs"
         return self.packer.pack(slot_layout.step_slots(q.message_id, q.seq_ids, q.slot_drafts, sampled,
-                                                       q.device_drafts))
+                                                       q.device_drafts, verified))
 
     def _take_step_input(self, step: StepInput) -> WorkerEvents:
         """The step's sequence and grammar bookkeeping, before any chunk runs."""

@@ -11,6 +11,7 @@ import torch
 from fastdeploy.common.config import EngineConfig, ModelConfig
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner, DecodeBuffers
+from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
@@ -40,7 +41,8 @@ class MTPStep:
         mtp_cache = allocate_kv_caches(one_layer, num_blocks + 1, self.block_size, dtype, device)[0]
         buffers = DecodeBuffers(shape.max_decode_rows, shape.max_blocks_per_seq, self.block_size, shape.pad_slot,
                                 device) if use_graphs else None
-        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers, decode_graphs, config.scheduler.max_num_seqs)
+        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers, decode_graphs, config.scheduler.max_num_seqs,
+                                spec.num_speculative_tokens)
         self.mtp_pass.capture()
         self.proposer = MTPProposer(self.mtp_pass, spec.num_speculative_tokens, self.block_size,
                                     functools.partial(prepare_inputs, block_size=self.block_size, device=device))
@@ -78,8 +80,8 @@ class MTPStep:
         self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
 
     def draft_in_flight(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        row_tokens: torch.Tensor, seq_ids: list[int], draft_rows: torch.Tensor | None,
-                        cap: int) -> torch.Tensor | None:
+                        row_tokens: torch.Tensor, seq_ids: list[int], starts: list[int],
+                        accepted: torch.Tensor | None, cap: int) -> torch.Tensor | None:
         """`feed` for a pure decode step (a run of decode rows per sequence: its newest token, then
         any drafts it verified) whose successor launches before its tokens reach the host, and
         takes `cap` drafts per sequence from the device: int64 [len(seq_ids), cap] (None for cap 0).
@@ -87,16 +89,23 @@ class MTPStep:
         Every row r of the step (position p, hidden row r, `row_tokens[r]` sampled there) gives the
         pair at p + 1; a sequence's pairs past its accepted tokens are written too, beyond its
         newest token, where the next pass over that sequence writes again before any row reads
-        them. The sequence drafts from its last accepted row (`draft_rows`, one per sequence, on
-        the device; None: every row is one sequence's), then from each draft in turn. `positions`
-        and `meta`: the step's own inputs on the device, as the step ran."""
+        them. Each sequence (its run starting at row `starts[i]`) drafts from its last accepted
+        row (`accepted`, on the device; None: one each), then from each draft in turn. After a
+        decode graph of the target, all of it replays as one graph; otherwise `positions` and
+        `meta`, the step's own inputs on the device, give the passes' inputs."""
+        self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
+        n = row_tokens.shape[0]
+        if cap > 0 and self.mtp_pass.drafts_after_decode_graph(n, meta):
+            return self.mtp_pass.draft_after_decode(row_tokens, starts, accepted, cap)
         shifted, next_meta = next_position_metadata(positions, meta.decode_context_lens, meta.decode_block_tables,
                                                     self.block_size)
         tokens = row_tokens.clamp(min=0)  # an unsettled marker: never here, the step settled its sets
-        self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
         if cap == 0:
             self.mtp_pass.fill(tokens, hidden, shifted, next_meta)
             return None
+        draft_rows = None
+        if accepted is not None:
+            draft_rows = upload_int64([starts], hidden.device)[0] + accepted.long() - 1
         hidden, drafted = self.mtp_pass(tokens, hidden, shifted, next_meta, draft_rows)
         drafts = [drafted]
         lens, tables = next_meta.decode_context_lens, next_meta.decode_block_tables

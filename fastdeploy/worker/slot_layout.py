@@ -4,6 +4,7 @@ of speculative verification decided on the device."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,13 +15,30 @@ from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
 from fastdeploy.spec_decode.verification import accept_counts
 
 
+@dataclass
+class VerifiedSlots:
+    """A verify step's sampler rows as [B, S] slots, on the device: each slot's sampler row
+    (clamped), whether it is real, the token sampled there, and each sequence's accept count."""
+
+    rows: torch.Tensor  # int64 [B, S]
+    valid: torch.Tensor  # bool [B, S]
+    tokens: torch.Tensor  # int64 [B, S]
+    accepted: torch.Tensor  # int32 [B]
+
+    @property
+    def newest(self) -> torch.Tensor:
+        """int64 [B]: each sequence's last accepted token."""
+        return self.tokens.gather(1, (self.accepted.long() - 1).unsqueeze(1)).squeeze(1)
+
+
 def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]], out: SamplerOutput,
-               drafted: torch.Tensor | None = None) -> StepSlots:
+               drafted: torch.Tensor | None = None, verified: VerifiedSlots | None = None) -> StepSlots:
     """The sampler's rows (each sequence's verified slots, one after another) as the [B, S] slot
     layout the packer op reads, with the accept counts decided on the device: a sequence keeps
     its drafts up to the first one its own sample disagrees with, plus that sample. Slots a
     sequence did not verify are padding and never accepted. `drafted`: the drafts on the
-    device (see `verified_slots`), where the host has only their number."""
+    device (see `verify`), where the host has only their number; `verified`: `verify` of these
+    rows, where the step already found its accept counts (at launch)."""
     sampled = out.sampled_token_ids
     device = sampled.device
     logprobs, mask = _logprob_parts(out), _mask_parts(out)
@@ -43,12 +61,14 @@ def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]]
             slots.mask_bits = out.mask_bits.view(batch, 1, -1)
         return slots
     seq_ids_d, = upload_int64([seq_ids], device)
-    rows, valid, tokens, drafted_d = verified_slots(slot_drafts, sampled, drafted)
+    if verified is None:
+        verified = verify(slot_drafts, sampled, drafted)
+    rows, valid = verified.rows, verified.valid
     slots = StepSlots(
         message_id=message_id,
         seq_ids=seq_ids_d,
-        accept_counts=accept_counts(tokens, drafted_d),
-        token_ids=tokens,
+        accept_counts=verified.accepted,
+        token_ids=verified.tokens,
         num_logprobs=-1 if out.logprobs is None else out.logprobs.shape[1] - 1,
     )
     if logprobs is not None:
@@ -66,12 +86,12 @@ def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]]
     return slots
 
 
-def verified_slots(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A verify step's sampler rows as [B, S] slots: (sampler row of each slot, clamped; whether
-    the slot is real; the token sampled there; the draft it checks, -1 where none). `drafted`:
-    int64 [B, >= S - 1] drafts already on the device (-1 past a sequence's own; MTP drafting
-    ahead), in place of the values of `slot_drafts`, of which only the lengths are read then."""
+def verify(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.Tensor | None = None
+           ) -> VerifiedSlots:
+    """A verify step's sampler rows (`sampled`, each sequence's slots one after another) as
+    [B, S] slots with each sequence's accept count, found on the device. `drafted`: int64
+    [B, >= S - 1] drafts already on the device (-1 past a sequence's own; MTP drafting ahead),
+    in place of the values of `slot_drafts`, of which only the lengths are read then."""
     device = sampled.device
     batch = len(slot_drafts)
     width = 1 + max(len(d) for d in slot_drafts)
@@ -90,16 +110,8 @@ def verified_slots(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted:
         drafted_d = drafted[:, :width - 1]
     index_d = index_d.view(batch, width)
     rows = index_d.clamp(min=0)
-    return rows, index_d >= 0, sampled[rows], drafted_d
-
-
-def accepted_tokens(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens each sequence accepts, int32 [B]; its last accepted token, int64 [B]) of a verify
-    step, on the device: what the step sent after it reads before the host has seen either."""
-    _, _, tokens, drafted_d = verified_slots(slot_drafts, sampled, drafted)
-    counts = accept_counts(tokens, drafted_d)
-    return counts, tokens.gather(1, (counts.long() - 1).unsqueeze(1)).squeeze(1)
+    tokens = sampled[rows]
+    return VerifiedSlots(rows, index_d >= 0, tokens, accept_counts(tokens, drafted_d))
 
 
 def _logprob_parts(out: SamplerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -476,13 +476,13 @@ def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir,
         calls["fill"] += 1
         return feed_in_flight(self, *args, **kwargs)
 
-    def recording_device(self, hidden, positions, meta, row_tokens, seq_ids, draft_rows, cap):
+    def recording_device(self, hidden, positions, meta, row_tokens, seq_ids, starts, accepted, cap):
         calls["draft"] += 1
-        drafts = draft_in_flight(self, hidden, positions, meta, row_tokens, seq_ids, draft_rows, cap)
+        drafts = draft_in_flight(self, hidden, positions, meta, row_tokens, seq_ids, starts, accepted, cap)
         if drafts is not None:
             # Keyed by where the step after drafts them: the position after the newest token.
-            newest = positions if draft_rows is None else positions[draft_rows]
-            for seq_id, at, row in zip(seq_ids, newest.tolist(), drafts.tolist(), strict=True):
+            rows = torch.tensor(starts) + (0 if accepted is None else accepted.cpu().long() - 1)
+            for seq_id, at, row in zip(seq_ids, positions.cpu()[rows].tolist(), drafts.tolist(), strict=True):
                 drafted["on"][(seq_id, at + 1)] = row
         return drafts
 
