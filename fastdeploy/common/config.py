@@ -135,11 +135,12 @@ def pipelines_steps(config: EngineConfig) -> bool:
     to the other ranks). `auto`: on CUDA, where the host's share of a step would otherwise leave
     the GPU idle; on CPU the worker computes on the same cores the engine would overlap with.
 
-    Drafts are proposed from each step's tokens on the host, so a step that verifies drafts runs
-    in turn. Adaptive speculation (n-gram or MTP) pipelines the steps its draft policy gives no
-    drafts (a busy batch): there it decodes about as fast as without speculation (MTP's head
-    still takes in each such step's tokens, from the device, before the next step runs). Fixed
-    drafts keep every step in turn; `on` with them is refused."""
+    Adaptive speculation pipelines the steps its draft policy gives no drafts (a busy batch):
+    there it decodes about as fast as without speculation (MTP's head still takes in each such
+    step's tokens, from the device, before the next step runs). n-gram drafts come from each
+    step's tokens on the host, so a step that verifies them runs in turn; MTP on one GPU drafts
+    on the device, and its verify steps go ahead too. Fixed drafts keep every step in turn; `on`
+    with them is refused."""
     mode = config.async_scheduling
     if mode not in ASYNC_SCHEDULING_MODES:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")

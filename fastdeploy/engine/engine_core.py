@@ -89,8 +89,7 @@ class EngineCore:
         # steps with drafts go out ahead too (one GPU: the other ranks' plans lack the drafts).
         self._drafts_ahead = self._pipelining and spec is not None and spec.method == "mtp" \
             and config.tensor_parallel_size == 1
-        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens,
-                                         pipelined_zero=self._pipelining and not self._drafts_ahead)
+        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, pipelined_zero=self._pipelining)
                              if spec is not None and spec.adaptive else None)
         self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
         self._last_frame_at = 0.0  # perf_counter when the last step's frame was read

@@ -541,3 +541,40 @@ def test_mtp_drafts_ahead_keep_every_request_as_in_turn(predictable_dir, mtp_hea
         assert got["masks"][:cut] == want["masks"][:cut], request_id
         torch.testing.assert_close(torch.tensor(got["logprobs"][:cut]), torch.tensor(want["logprobs"][:cut]),
                                    atol=1e-4, rtol=0)
+
+
+def test_mtp_drafts_ahead_at_the_context_end_in_a_short_pool_and_on_abort(predictable_dir, mtp_head_dir) -> None:
+    """Verify steps sent ahead where they are hardest: a sequence that reaches the context length
+    (64) with drafts in flight, a pool too small for every sequence (a step ahead leaves one out,
+    the step after it preempts), and aborts. Greedy text, logprobs and finish reasons are those
+    of decoding without speculation, and every block comes back."""
+    g = torch.Generator().manual_seed(7)
+
+    def requests() -> list[EngineRequest]:
+        lengths = [50, 9, 14, 5, 30]
+        return [EngineRequest(f"r{i}", torch.randint(12, VOCAB, (n,), generator=g).tolist(),
+                              SamplingParams(temperature=0.0, max_tokens=40, logprobs=2), 0.0)
+                for i, n in enumerate(lengths)]
+
+    abort_after = {"r1": 5, "r3": 11}
+    off = _config(predictable_dir, "off", num_blocks=22)
+    g.manual_seed(7)
+    plain = _run(EngineCore(off, InProcessExecutor(off)), requests())
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2, model=mtp_head_dir)
+    config = dataclasses.replace(_config(predictable_dir, "on", num_blocks=22), speculative=spec)
+    executor = RecordingExecutor(config)
+    core = EngineCore(config, executor)
+    core.draft_policy = ScriptedCaps([2] * 400)  # type: ignore[assignment]
+    g.manual_seed(7)
+    pipelined = _run(core, requests(), abort_after)
+    # An abort lands after the delta that reached its count: with drafts a delta holds several
+    # tokens, so an aborted request holds a prefix of its full text, at least that long.
+    for request_id, count in abort_after.items():
+        got, want = pipelined.pop(request_id), plain.pop(request_id)
+        n = len(got["tokens"])
+        assert got["finish"] == "abort" and n >= count and got["tokens"] == want["tokens"][:n], request_id
+    _assert_same(pipelined, plain)
+    assert plain["r0"]["finish"] == "length" and len(plain["r0"]["tokens"]) == 64 - 50
+    assert core.spec_stats.num_accepted_draft_tokens >= 10, core.spec_stats
+    assert any(step.followed and any(c.num_lookahead for c in step.chunks) for step in executor.sent)
+    assert core.scheduler.num_preemptions > 0  # the pool ran short
