@@ -26,6 +26,10 @@ SERVERS = {
                      "--async-scheduling", "on"), None),
     "spec_server": (("--max-num-seqs", "8", "--max-model-len", "1024", "--enable-keep-sampling-mask",
                      "--speculative-config", SPEC_CONFIG), SPEC_API_KEY),
+    # MTP with steps overlapped as on CUDA: verify steps and their drafts sent ahead.
+    "mtp_server": (("--max-num-seqs", "4", "--max-model-len", "1024", "--enable-keep-sampling-mask",
+                    "--num-kv-blocks", "256", "--async-scheduling", "on", "--speculative-config",
+                    json.dumps({"method": "mtp", "num_speculative_tokens": 2})), None),
     # test_lifecycle.py: one server per test, each taken down by its test.
     "killed_worker_server": (("--max-num-seqs", "8", "--enable-keep-sampling-mask"), None),
     "sigterm_server": (("--max-num-seqs", "4"), None),
@@ -35,7 +39,7 @@ SERVERS = {
 # A start-up keeps about one core busy: servers of one group start together, in pairs, and the
 # tests run once every server of the pair is healthy (nothing else is starting beside them).
 GROUPS = [("killed_worker_server", "sigterm_server"), ("server", "reasoning_server"), ("mask_server", "spec_server"),
-          ("api_processes_server",)]
+          ("api_processes_server",), ("mtp_server",)]
 
 
 class ServerLauncher:
@@ -97,6 +101,12 @@ def server(server_launcher):
 def spec_server(server_launcher):
     """ngram drafts, 4 a step, with sampling masks: test_soak.py and test_speculative.py."""
     yield from server_launcher.serve("spec_server")
+
+
+@pytest.fixture(scope="package")
+def mtp_server(server_launcher):
+    """MTP (the shipped head, adaptive) with asynchronous scheduling and sampling masks."""
+    yield from server_launcher.serve("mtp_server")
 
 
 @pytest.fixture(scope="package")
