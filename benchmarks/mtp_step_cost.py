@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import finish_bar_axis, machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402,I001
-from benchmarks.verify_step import SMOLLM2_135M  # noqa: E402
+from benchmarks.verify_step import SMOLLM2_135M, counted_steps  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path  # noqa: E402
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config  # noqa: E402
@@ -109,34 +109,21 @@ def build_models(shape: str, out: str, write_scale: float) -> tuple[dict, str]:
     return {"model": model_dir}, head_dir
 
 
-def counted_steps(llm: LLM) -> list[int]:
-    """[engine steps taken], counted from now on."""
-    steps = [0]
-    step = llm.engine.step
-
-    def counting(*args, **kwargs):
-        steps[0] += 1
-        return step(*args, **kwargs)
-
-    llm.engine.step = counting  # type: ignore[method-assign]
-    return steps
-
-
 def prompts(batch: int) -> list[dict]:
     return [{"prompt_token_ids": list(range(100 + 7 * b, 164 + 7 * b))} for b in range(batch)]
 
 
-def measure(llm: LLM, batch: int, tokens: int, reps: int, steps: list[int]) -> tuple[dict, list]:
+def measure(llm: LLM, batch: int, tokens: int, reps: int) -> tuple[dict, list]:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts(batch), params)  # warm-up: every shape the timed runs reach
     best, texts = None, []
     for _ in range(reps):
         stats = llm.engine.spec_stats
         drafted, accepted = stats.num_draft_tokens, stats.num_accepted_draft_tokens
-        steps[0] = 0
-        start = time.perf_counter()
-        outputs = llm.generate(prompts(batch), params)
-        wall = time.perf_counter() - start
+        with counted_steps(llm) as steps:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts(batch), params)
+            wall = time.perf_counter() - start
         made = sum(len(o.outputs[0].token_ids) for o in outputs)
         stats = llm.engine.spec_stats
         row = {"batch": batch, "steps": steps[0], "ms_per_step": 1e3 * wall / steps[0], "tok_s": made / wall,
@@ -170,14 +157,13 @@ def main() -> None:
         off = LLM(**common)
         mtp = LLM(**common, speculative_config={"method": "mtp", "num_speculative_tokens": NUM_DRAFTS,
                                                 "model": head_dir})
-        off_steps, mtp_steps = counted_steps(off), counted_steps(mtp)
         for batch in args.batches:
-            row, plain = measure(off, batch, args.tokens, args.reps, off_steps)
+            row, plain = measure(off, batch, args.tokens, args.reps)
             rows.append({"config": "off", **row, "same_as_off": True})
             print(rows[-1], flush=True)
             for cap in range(NUM_DRAFTS + 1):
                 mtp.engine.draft_policy = FixedCap(cap)  # type: ignore[assignment]
-                row, texts = measure(mtp, batch, args.tokens, args.reps, mtp_steps)
+                row, texts = measure(mtp, batch, args.tokens, args.reps)
                 rows.append({"config": f"cap{cap}", **row, "same_as_off": texts == plain})
                 print(rows[-1], flush=True)
         for llm in (off, mtp):
