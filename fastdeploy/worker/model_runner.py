@@ -123,6 +123,9 @@ class ModelRunner:
         self._frame_side_stream: torch.cuda.Stream | None = None
         # A step finished early whose redraw changed a token the step being launched read.
         self._redrawn_ahead: tuple[SampledTokens, set[int]] | None = None
+        # A verify step finished early: the tokens each sequence accepted, which move the chunks
+        # of the step being launched on.
+        self._accepted_ahead: dict[int, int] | None = None
         # Work of the last finished step that its frame does not wait for (MTP drafting for the
         # next step): `after_frame` runs it once the frame is on its way, `launch` at the latest.
         self._after_frame: Callable[[], None] | None = None
@@ -245,6 +248,9 @@ class ModelRunner:
             # A grammar to advance or a penalty history to extend: the step ahead is finished
             # now, while the device runs this step's forward pass, instead of after it.
             ahead.finished = self.finish(ahead)
+            accepted, self._accepted_ahead = self._accepted_ahead, None
+            if accepted is not None:
+                chunks = _moved_on(chunks, drafts, accepted)
             if self.on_finished_early is not None:
                 self.on_finished_early(ahead)
             redraw, self._redrawn_ahead = self._redrawn_ahead, None
@@ -358,8 +364,14 @@ class ModelRunner:
                 counts = kept
         for state, run in zip(q.states, runs, strict=True):
             state.output_token_ids.extend(run)
-        if q.drafts and q.step.followed and successor is not None and successor.sampling is not None:
-            _move_on(successor.sampling, dict(zip(q.seq_ids, counts, strict=True)))
+        if q.drafts and q.step.followed:
+            accepted = dict(zip(q.seq_ids, counts, strict=True))
+            if successor is not None:
+                if successor.sampling is not None:
+                    successor.sampling.chunks = _moved_on(successor.sampling.chunks, successor.sampling.drafts,
+                                                          accepted)
+            else:  # finished early, inside the successor's launch: that launch moves its chunks on
+                self._accepted_ahead = accepted
         if q.drafts:
             events.num_verified_sequences = len(q.drafts)
             events.num_draft_tokens = sum(len(d) for d in q.slot_drafts)
@@ -539,13 +551,13 @@ class ModelRunner:
         destroy_tensor_parallel()
 
 
-def _move_on(successor: QueuedSampling, counts: dict[int, int]) -> None:
+def _moved_on(chunks: list[ChunkInput], drafts: dict[int, list[int]], counts: dict[int, int]) -> list[ChunkInput]:
     """Where the successor of a verify step really ran: each of its in-flight sequences one
     position further on per draft that step accepted (the device moved them at launch; the
     host's chunks learn it with the frame), for the work that reads them after its own frame."""
-    moved = {seq_id for _, seq_id in input_prep.in_flight_slots(successor.chunks, successor.drafts)}
-    successor.chunks = [msgspec.structs.replace(c, start=c.start + counts[c.seq_id] - 1)
-                        if c.seq_id in moved and c.seq_id in counts else c for c in successor.chunks]
+    moved = {seq_id for _, seq_id in input_prep.in_flight_slots(chunks, drafts)}
+    return [msgspec.structs.replace(c, start=c.start + counts[c.seq_id] - 1)
+            if c.seq_id in moved and c.seq_id in counts else c for c in chunks]
 
 
 def _restore_generators(generators: list[torch.Generator | None], states: list[torch.Tensor | None]) -> None:

@@ -578,3 +578,58 @@ def test_mtp_drafts_ahead_at_the_context_end_in_a_short_pool_and_on_abort(predic
     assert core.spec_stats.num_accepted_draft_tokens >= 10, core.spec_stats
     assert any(step.followed and any(c.num_lookahead for c in step.chunks) for step in executor.sent)
     assert core.scheduler.num_preemptions > 0  # the pool ran short
+
+
+def test_a_penalised_arrival_behind_a_verify_step_sent_ahead(predictable_dir, mtp_head_dir, monkeypatch) -> None:
+    """A penalised request arrives while a verify step runs ahead: the step that admits it
+    finishes that verify step inside its own launch (the penalty reads its tokens), and must
+    still learn where its rows really ran, since the host-side MTP pass after its frame (the
+    step, with a prompt in it, goes in turn) writes the module's K/V at those positions. Every
+    host pass over a decode sequence starts at its true position; text is decoding's without
+    speculation. The arrival is tried at several points, so that it lands behind a verify step
+    that accepted drafts."""
+    from fastdeploy.worker import model_runner
+    from fastdeploy.worker.mtp_step import MTPStep
+
+    feed = MTPStep.feed
+    fed: list[tuple[int, int, int]] = []  # (seq_id, chunk start, its newest known token's position)
+
+    def checking(self, chunks, hidden, accepted, drafts, sequences, max_drafts=None):
+        for c in chunks:
+            if c.sample and c.seq_id in accepted and c.start > 0:
+                state = sequences[c.seq_id]
+                known = len(state.prompt_token_ids) + len(state.output_token_ids)
+                fed.append((c.seq_id, c.start, known - accepted[c.seq_id] - 1))
+        return feed(self, chunks, hidden, accepted, drafts, sequences, max_drafts)
+
+    moved_on = model_runner._moved_on
+    moves: list[int] = []  # the most drafts a sequence accepted, per step whose chunks moved on
+
+    def recording(chunks, drafts, counts):
+        moves.append(max(counts.values()) - 1)
+        return moved_on(chunks, drafts, counts)
+
+    monkeypatch.setattr(MTPStep, "feed", checking)
+    monkeypatch.setattr(model_runner, "_moved_on", recording)
+    first = EngineRequest("r0", [5, 6, 7, 8, 9, 10, 11], SamplingParams(temperature=0.0, max_tokens=40), 0.0)
+    late = EngineRequest("r1", [20, 21, 22, 23], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                presence_penalty=1.5), 0.0)
+    off = _config(predictable_dir, "off")
+    plain = _run(EngineCore(off, InProcessExecutor(off)), [first, late])
+    for arrival in range(8, 16):
+        core, executor = _mtp_core(predictable_dir, mtp_head_dir, "on")
+        core.draft_policy = ScriptedCaps([2] * 400)  # type: ignore[assignment]
+        out: dict[str, list[int]] = {"r0": [], "r1": []}
+        core.add_request(first)
+        try:
+            while core.has_work():
+                for delta in core.step():
+                    out[delta.request_id] += delta.token_ids
+                if len(out["r0"]) >= arrival and "r1" not in core.by_request_id and not out["r1"]:
+                    core.add_request(late)
+        finally:
+            core.shutdown()
+        assert out == {r: plain[r]["tokens"] for r in out}, arrival
+        assert any(step.followed and any(c.num_lookahead for c in step.chunks) for step in executor.sent)
+    assert fed and all(start == true for _, start, true in fed), fed
+    assert any(n > 0 for n in moves), moves  # some arrival landed behind accepted drafts
