@@ -1,7 +1,7 @@
 """What an MTP step costs per draft cap, in process, with the cap held fixed.
 
     python benchmarks/mtp_step_cost.py [--shape smollm2-135m|llama-1b|llama3-8b-dummy] [--device cuda]
-        [--batches 1 16] [--tokens 256] [--tokenizer DIR] [--name NAME]
+        [--batches 1 16] [--tokens 256] [--tokenizer DIR] [--device-timeline] [--name NAME]
 
 One engine without speculation and one with MTP (2 drafts), the draft policy replaced by one
 that always gives the same cap (0, 1, 2: `fixed_cap`), greedy, EOS ignored, token-id prompts.
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import finish_bar_axis, machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402,I001
-from benchmarks.verify_step import SMOLLM2_135M, counted_steps  # noqa: E402
+from benchmarks.verify_step import SMOLLM2_135M, counted_steps, device_ms_per_step  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path  # noqa: E402
 from fastdeploy.model_executor.model_loader.safetensors_loader import hf_model_config  # noqa: E402
@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--write-scale", type=float, default=5e-5)
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--tokenizer", default=None, help="default: the embedded GGUF's")
+    ap.add_argument("--device-timeline", action="store_true",
+                    help="CUDA: the device's busy time per step (a step well above it is the host's)")
     ap.add_argument("--name", default="mtp_step_cost")
     args = ap.parse_args()
     info = machine_info()
@@ -160,11 +162,14 @@ def main() -> None:
         for batch in args.batches:
             row, plain = measure(off, batch, args.tokens, args.reps)
             rows.append({"config": "off", **row, "same_as_off": True})
-            print(rows[-1], flush=True)
-            for cap in range(NUM_DRAFTS + 1):
-                mtp.engine.draft_policy = FixedCap(cap)  # type: ignore[assignment]
-                row, texts = measure(mtp, batch, args.tokens, args.reps)
-                rows.append({"config": f"cap{cap}", **row, "same_as_off": texts == plain})
+            for cap in [None, *range(NUM_DRAFTS + 1)]:
+                llm = off if cap is None else mtp
+                if cap is not None:
+                    mtp.engine.draft_policy = FixedCap(cap)  # type: ignore[assignment]
+                    row, texts = measure(mtp, batch, args.tokens, args.reps)
+                    rows.append({"config": f"cap{cap}", **row, "same_as_off": texts == plain})
+                if args.device_timeline and args.device.startswith("cuda"):
+                    rows[-1]["device_ms_per_step"] = device_ms_per_step(llm, batch, args.tokens // 2)
                 print(rows[-1], flush=True)
         for llm in (off, mtp):
             llm.engine.shutdown()
