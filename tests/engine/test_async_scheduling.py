@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 import torch
@@ -633,3 +634,75 @@ def test_a_penalised_arrival_behind_a_verify_step_sent_ahead(predictable_dir, mt
         assert any(step.followed and any(c.num_lookahead for c in step.chunks) for step in executor.sent)
     assert fed and all(start == true for _, start, true in fed), fed
     assert any(n > 0 for n in moves), moves  # some arrival landed behind accepted drafts
+
+
+class _RandomCaps(ScriptedCaps):
+    """Caps drawn from a seeded generator (mostly the most drafts), forever."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__([])
+        self.rng = random.Random(seed)
+
+    def cap(self, num_rows: int) -> int:
+        return self.rng.choice([0, 1, 2, 2, 2])
+
+
+def _random_schedule(seed: int, model_dir: str, head_dir: str | None) -> dict[str, tuple[list[int], str | None]]:
+    """One random workload (arrivals over the first steps, prompt and answer lengths, presence
+    penalties, logprobs, aborts, a pool from tight to roomy), greedy; per request its tokens and
+    finish reason. `head_dir`: MTP with random caps and steps sent ahead; None: no speculation."""
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(rng.randint(1, 6)):
+        params: dict = {"temperature": 0.0, "max_tokens": rng.randint(1, 40)}
+        if rng.random() < 0.2:
+            params["presence_penalty"] = 1.0
+        if rng.random() < 0.2:
+            params["logprobs"] = 2
+        prompt = [rng.randint(12, VOCAB - 1) for _ in range(rng.randint(2, 40))]
+        arrivals.append((rng.randint(0, 12), EngineRequest(f"r{i}", prompt, SamplingParams(**params), 0.0)))
+    aborts = {request.request_id: rng.randint(1, 20) for _, request in arrivals if rng.random() < 0.2}
+    config = _config(model_dir, "off" if head_dir is None else "on", num_blocks=rng.choice([20, 30, 64, 256]))
+    if head_dir is not None:
+        config = dataclasses.replace(config, speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2,
+                                                                           model=head_dir))
+    core = EngineCore(config, InProcessExecutor(config))
+    if head_dir is not None:
+        core.draft_policy = _RandomCaps(seed)  # type: ignore[assignment]
+    out: dict[str, tuple[list[int], str | None]] = {r.request_id: ([], None) for _, r in arrivals}
+    arrivals.sort(key=lambda a: a[0])
+    step = 0
+    try:
+        while arrivals or core.has_work():
+            while arrivals and arrivals[0][0] <= step:
+                core.add_request(arrivals.pop(0)[1])
+            for delta in core.step():
+                tokens, finish = out[delta.request_id]
+                tokens += delta.token_ids
+                if delta.finish_reason is not None:
+                    finish = delta.finish_reason
+                elif len(tokens) >= aborts.get(delta.request_id, 1 << 30) and finish is None:
+                    core.abort([delta.request_id])
+                    finish = "abort"
+                out[delta.request_id] = (tokens, finish)
+            step += 1
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "blocks left held"
+    finally:
+        core.shutdown()
+    return out
+
+
+def test_mtp_drafts_ahead_over_random_workloads(predictable_dir, mtp_head_dir) -> None:
+    """Random arrivals, lengths, penalties, aborts and pools, with random caps: greedy text and
+    finish reasons under MTP with steps sent ahead are decoding's without speculation (an
+    aborted request: a prefix of it, since its abort lands after a delta of several tokens)."""
+    for seed in range(16):
+        plain = _random_schedule(seed, predictable_dir, None)
+        spec = _random_schedule(seed, predictable_dir, mtp_head_dir)
+        for request_id, (want, want_finish) in plain.items():
+            got, got_finish = spec[request_id]
+            if "abort" in (want_finish, got_finish):
+                n = min(len(want), len(got))
+                assert got[:n] == want[:n], (seed, request_id)
+            else:
+                assert (got, got_finish) == (want, want_finish), (seed, request_id)
