@@ -106,26 +106,40 @@ class MTPPass:
         return self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
 
     def _graph_draft_after_decode(self, batch: int, cap: int) -> torch.Tensor:
-        """`cap` drafts for each sequence of a decode step of `batch` rows the target replayed:
-        pairs p+1 of every row (as `_graph_fill_after_decode`), then each live sequence drafts
-        from its last accepted row, and again from each draft. Padding entries attend to nothing
-        and write to the spare slot. int64 [batch, cap], entry i for sequence i."""
+        """`draft_chain` over a decode step of `batch` rows the target replayed, read from its
+        graph buffers; padding entries attend to nothing and write to the spare slot."""
         decode = self.decode
         assert decode is not None, "captured only after the target's decode graphs"
         t = decode.buffers
-        positions, meta = next_position_metadata(t.positions[:batch], t.context_lens[:batch], t.block_tables[:batch],
-                                                 t.block_size, t.pad_slot)
-        hidden = self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
         live = self.run_live[:batch]
         rows = torch.where(live, self.run_starts[:batch] + self.run_accepted[:batch] - 1, 0)
-        hidden = hidden.index_select(0, rows)
+        return self.draft_chain(self.sampled_ids[:batch], decode.graphs.outputs[batch], t.positions[:batch],
+                                t.context_lens[:batch], t.block_tables[:batch], t.block_size, rows, live, cap,
+                                t.pad_slot)
+
+    def draft_chain(self, row_tokens: torch.Tensor, step_hidden: torch.Tensor, positions: torch.Tensor,
+                    context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                    rows: torch.Tensor | None, live: torch.Tensor | None, cap: int, pad_slot: int = -1
+                    ) -> torch.Tensor:
+        """`cap` drafts for each sequence of a decode step (its rows at `positions`, with
+        `context_lens` and `block_tables`): the pair p+1 of every row (its hidden state and the
+        token sampled there), then each sequence drafts from its row in `rows` (None: every row
+        is one sequence's), and again from each draft. `live` (None: all): which entries of
+        `rows` are sequences; the others attend to nothing and write to `pad_slot`. Eager ops
+        only: `_graph_draft_after_decode` captures them. int64 [len(rows), cap]."""
+        positions, meta = next_position_metadata(positions, context_lens, block_tables, block_size, pad_slot)
+        # An unsettled row's negative marker is clamped, as `SampledTokens.fill` does.
+        hidden = self._hidden(row_tokens.clamp(min=0), step_hidden, positions, meta)
+        lens, tables = meta.decode_context_lens, meta.decode_block_tables
+        if rows is not None:
+            hidden, positions = hidden.index_select(0, rows), positions.index_select(0, rows)
+            lens, tables = lens.index_select(0, rows), tables.index_select(0, rows)
+        if live is not None:
+            lens = torch.where(live, lens, 0)
         drafted = self._draft(hidden)
         drafts = [drafted]
-        positions = positions.index_select(0, rows)
-        lens = torch.where(live, meta.decode_context_lens.index_select(0, rows), 0)
-        tables = meta.decode_block_tables.index_select(0, rows)
         for _ in range(1, cap):
-            positions, pass_meta = next_position_metadata(positions, lens, tables, t.block_size, t.pad_slot)
+            positions, pass_meta = next_position_metadata(positions, lens, tables, block_size, pad_slot)
             lens = pass_meta.decode_context_lens
             hidden = self._hidden(drafted, hidden, positions, pass_meta)
             drafted = self._draft(hidden)

@@ -271,9 +271,9 @@ class ModelRunner:
         next_cap = self._next_draft_cap if self._next_draft_cap is not None else self.num_speculative_tokens
         # A step sent ahead of this one's frame that verifies (or takes drafts made from) these
         # tokens cannot be run again if one is drawn again: such a step settles its kept sets now.
-        settle = step.followed and (bool(drafts) or (self.mtp is not None and next_cap > 0)) \
-            and bool(metadata.row_groups.host[1])
-        may_redraw = not settle and self.sampler.leaves_unsettled and bool(metadata.row_groups.host[1])
+        truncating = bool(metadata.row_groups.host[1])
+        settle = truncating and step.followed and (bool(drafts) or (self.mtp is not None and next_cap > 0))
+        may_redraw = not settle and truncating and self.sampler.leaves_unsettled
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
         sampled = self.sampler(logits, metadata, settle_kept_sets=settle)
         verified = None

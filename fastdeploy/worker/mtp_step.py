@@ -97,26 +97,17 @@ class MTPStep:
         n = row_tokens.shape[0]
         if cap > 0 and self.mtp_pass.drafts_after_decode_graph(n, meta):
             return self.mtp_pass.draft_after_decode(row_tokens, starts, accepted, cap)
-        shifted, next_meta = next_position_metadata(positions, meta.decode_context_lens, meta.decode_block_tables,
-                                                    self.block_size)
-        tokens = row_tokens.clamp(min=0)  # an unsettled marker: never here, the step settled its sets
         if cap == 0:
-            self.mtp_pass.fill(tokens, hidden, shifted, next_meta)
+            shifted, next_meta = next_position_metadata(positions, meta.decode_context_lens, meta.decode_block_tables,
+                                                        self.block_size)
+            # An unsettled marker never reaches here: the step settled its kept sets.
+            self.mtp_pass.fill(row_tokens.clamp(min=0), hidden, shifted, next_meta)
             return None
-        draft_rows = None
+        rows = None
         if accepted is not None:
-            draft_rows = upload_int64([starts], hidden.device)[0] + accepted.long() - 1
-        hidden, drafted = self.mtp_pass(tokens, hidden, shifted, next_meta, draft_rows)
-        drafts = [drafted]
-        lens, tables = next_meta.decode_context_lens, next_meta.decode_block_tables
-        if draft_rows is not None:
-            shifted, lens, tables = shifted[draft_rows], lens[draft_rows], tables[draft_rows]
-        for _ in range(1, cap):
-            shifted, pass_meta = next_position_metadata(shifted, lens, tables, self.block_size)
-            lens = pass_meta.decode_context_lens
-            hidden, drafted = self.mtp_pass(drafted, hidden, shifted, pass_meta, None)
-            drafts.append(drafted)
-        return torch.stack(drafts, dim=1)
+            rows = upload_int64([starts], hidden.device)[0] + accepted.long() - 1
+        return self.mtp_pass.draft_chain(row_tokens, hidden, positions, meta.decode_context_lens,
+                                         meta.decode_block_tables, self.block_size, rows, None, cap)
 
     def _next_slots_reserved(self, chunks: list[ChunkInput], seq_ids: list[int]) -> bool:
         """Whether the step is one token per sampled row, in the sampler's row order (`seq_ids`),
