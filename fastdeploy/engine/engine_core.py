@@ -77,18 +77,26 @@ class EngineCore:
             # hidden states, which a cached prefix never computes: no sharing with MTP.
             logger.info("prefix caching is off: MTP speculative decoding keeps its own K/V per block")
             caching = False
+        self._pipelining = pipelines_steps(config)
+        # The worker drafts on the device after a step sent with a successor (MTP's module, or
+        # n-gram lookup in the context it keeps there), which takes the drafts there: steps with
+        # drafts go out ahead too (one GPU: the other ranks' plans lack the drafts).
+        self._drafts_ahead = self._pipelining and spec is not None and spec.method in ("mtp", "ngram") \
+            and config.tensor_parallel_size == 1
+        # Slots past a sampling chunk's rows that drafting for the next step reaches: the MTP
+        # module writes one past each draft; n-gram lookup on the device reads the context up to
+        # the token after the rows (which the next step writes there).
+        beyond = 0
+        if spec is not None and spec.method == "mtp":
+            beyond = spec.num_speculative_tokens + 1
+        elif self._drafts_ahead:
+            beyond = 1
         self.block_manager = BlockManager(info.num_blocks, info.block_size, enable_prefix_caching=caching)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
-                                   num_draft_model_slots=(spec.num_speculative_tokens + 1
-                                                          if spec and spec.method == "mtp" else 0),
+                                   num_draft_model_slots=beyond,
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
-        self._pipelining = pipelines_steps(config)
-        # MTP drafts on the device after a step sent with a successor, which takes them there:
-        # steps with drafts go out ahead too (one GPU: the other ranks' plans lack the drafts).
-        self._drafts_ahead = self._pipelining and spec is not None and spec.method == "mtp" \
-            and config.tensor_parallel_size == 1
         self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, pipelined_zero=self._pipelining)
                              if spec is not None and spec.adaptive else None)
         self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
@@ -255,8 +263,8 @@ class EngineCore:
         if self.draft_policy is not None:
             self._announced_cap = next_cap = self.draft_policy.cap(len(self.scheduler.running))
         # A step scheduled ahead that left a sequence out for want of blocks is followed by
-        # one in turn, which may preempt as usual. With n-gram speculation only a step without
-        # drafts is followed, by one without drafts: the drafts come from the tokens on the host.
+        # one in turn, which may preempt as usual. A step that verifies drafts, or whose
+        # successor takes some, is followed only where the worker drafts on the device.
         followed = followed and bool(chunks) and not plan.num_blocked \
             and (self.draft_policy is None or draft_cap == next_cap == 0 or self._drafts_follow(plan))
         step_input = StepInput(next(self._message_ids), new_sequences, chunks, self._freed, self._grammar_requests,
@@ -267,23 +275,24 @@ class EngineCore:
 
     def _drafts_follow(self, plan: SchedulerStep) -> bool:
         """Whether a step may be followed by one sent ahead although it verifies drafts or its
-        successor takes some (MTP on one GPU): the worker then finds the accepted drafts, moves
-        the successor's rows on by them and drafts for it, all on the device. Only for a pure
-        decode step (the MTP module drafts from decode rows) of sequences without a grammar or a
-        penalty (both read the tokens on the host), each with its cache slots reserved as far
-        as that step's rows and the module's passes after it may reach."""
+        successor takes some (MTP or n-gram on one GPU): the worker then finds the accepted
+        drafts, moves the successor's rows on by them and drafts for it, all on the device. Only
+        for a pure decode step (drafts are made from decode rows) of sequences without a grammar
+        or a penalty (both read the tokens on the host), each with its cache slots reserved as
+        far as that step's rows and what is drafted after it may reach."""
         if not self._drafts_ahead:
             return False
         spec = self.config.speculative
         assert spec is not None
+        beyond = self.scheduler.num_draft_model_slots
         bs = self.block_manager.block_size
         for chunk in plan.chunks:
             seq = chunk.seq
             if chunk.num_tokens != 1 or not chunk.samples or seq.params.guided is not None \
                     or seq.params.has_penalties:
                 return False
-            # The newest token, its drafts, and a pass past each draft the module may write.
-            reach = chunk.start + seq.num_in_flight_drafts + 1 + chunk.num_lookahead + spec.num_speculative_tokens + 1
+            # The newest token, its drafts, and the slots drafting after them reaches.
+            reach = chunk.start + seq.num_in_flight_drafts + 1 + chunk.num_lookahead + beyond
             if len(seq.block_ids) * bs < reach:
                 return False
         return True

@@ -47,8 +47,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.prefix_root = prefix_root  # the start of every prefix hash chain (model, dtype)
         self.num_lookahead_slots = num_lookahead_slots  # draft tokens per decode step (speculative decoding)
-        # A draft model with its own K/V (MTP) also writes past the accepted tokens while
-        # drafting for the next step: this many more slots after every sampling chunk.
+        # Drafting for the next step reaches past the accepted tokens (a draft model's own K/V,
+        # MTP; n-gram lookup on the device reads the token after them): this many more slots
+        # after every sampling chunk.
         self.num_draft_model_slots = num_draft_model_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -22,18 +22,20 @@ import msgspec
 import numpy as np
 import torch
 
-from fastdeploy.common.config import EngineConfig, ModelConfig, resolve_dtype
+from fastdeploy.common.config import EngineConfig, ModelConfig, pipelines_steps, resolve_dtype
 from fastdeploy.common.step_frame import FrameBuffer, StepFrame, pack_step_frame, shorten_step_frame
 from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput, NewSequence, StepInput, WorkerEvents
 from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_from_first, destroy_tensor_parallel
 from fastdeploy.distributed.shard import local_config
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner
+from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN, Sampler
 from fastdeploy.model_executor.model_loader import get_model, tokenizer_path
 from fastdeploy.ops.step_packer import PackedStep, StepPacker, choose_packer
+from fastdeploy.spec_decode import ngram_device
 from fastdeploy.spec_decode.guided_drafts import trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.worker import input_prep, slot_layout
@@ -108,6 +110,11 @@ class ModelRunner:
         spec = config.speculative
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
             if spec is not None and spec.method == "ngram" else None
+        # n-gram drafting for a step sent ahead (one GPU, steps pipelined): the context on the
+        # device, every computed token at its cache slot (the spare block's too).
+        self.token_history: ngram_device.TokenHistory | None = None
+        if self.proposer is not None and config.tensor_parallel_size == 1 and pipelines_steps(config):
+            self.token_history = ngram_device.TokenHistory((self.num_blocks + 1) * self.block_size, self.device)
         self.mtp: MTPStep | None = None
         if spec is not None and spec.method == "mtp":
             with times.phase("MTP head"):
@@ -272,7 +279,8 @@ class ModelRunner:
         # A step sent ahead of this one's frame that verifies (or takes drafts made from) these
         # tokens cannot be run again if one is drawn again: such a step settles its kept sets now.
         truncating = bool(metadata.row_groups.host[1])
-        settle = truncating and step.followed and (bool(drafts) or (self.mtp is not None and next_cap > 0))
+        drafts_on_device = self.mtp is not None or self.token_history is not None
+        settle = truncating and step.followed and (bool(drafts) or (drafts_on_device and next_cap > 0))
         may_redraw = not settle and truncating and self.sampler.leaves_unsettled
         rng_states = [g.get_state() if g is not None else None for g in metadata.generators] if may_redraw else []
         sampled = self.sampler(logits, metadata, settle_kept_sets=settle)
@@ -296,6 +304,13 @@ class ModelRunner:
                     None if verified is None else verified.accepted, next_cap)
             else:
                 self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
+        elif self.token_history is not None and step.followed and next_cap > 0:
+            # The next step's n-gram drafts, from the context on the device (its newest token too).
+            assert self._last_sampled is not None
+            assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
+                "a followed step that drafts decodes only"
+            self._last_sampled.drafts = self._ngram_drafts_ahead(positions, attn_metadata, slot_drafts,
+                                                                 self._last_sampled.tokens, verified, next_cap)
         done = None
         if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()
@@ -486,6 +501,8 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the step's tokens; on CUDA only queued (a graph replay or eager kernels)."""
+        if self.token_history is not None:  # before any later step of these sequences reads it
+            self.token_history.write(attn_metadata.slot_mapping, input_ids)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids.shape[0], attn_metadata):
             return self.cuda_graphs.run(input_ids, positions, attn_metadata)
         return self.model(input_ids, positions, attn_metadata, self.kv_caches)
@@ -509,12 +526,13 @@ class ModelRunner:
         drafts = {}
         if self.mtp is not None:
             self.mtp.take_drafts(self.sequences)
-            if predecessor is not None and predecessor.drafts is not None:
-                width = predecessor.drafts.shape[1]
-                return {c.seq_id: [0] * min(c.num_lookahead, width) for c in chunks
-                        if c.num_lookahead > 0 and c.token_ids[-1] == IN_FLIGHT_TOKEN}
+        if predecessor is not None and predecessor.drafts is not None:
+            width = predecessor.drafts.shape[1]
+            return {c.seq_id: [0] * min(c.num_lookahead, width) for c in chunks
+                    if c.num_lookahead > 0 and c.token_ids[-1] == IN_FLIGHT_TOKEN}
         for chunk in chunks:
-            if chunk.num_lookahead <= 0:
+            # A sequence in flight without drafts from the device: its context is not on the host.
+            if chunk.num_lookahead <= 0 or chunk.token_ids[-1] == IN_FLIGHT_TOKEN:
                 continue
             state = self.sequences[chunk.seq_id]
             if self.mtp is not None:
@@ -527,6 +545,23 @@ class ModelRunner:
             if draft:
                 drafts[chunk.seq_id] = list(draft)
         return drafts
+
+    def _ngram_drafts_ahead(self, positions: torch.Tensor, meta: AttentionMetadata, slot_drafts: list[list[int]],
+                            newest: torch.Tensor, verified: slot_layout.VerifiedSlots | None, cap: int) -> torch.Tensor:
+        """`cap` n-gram drafts per sequence of a pure decode step sent with a successor (int64
+        [B, cap], on the device): each sequence's context runs to the token after its last
+        accepted row (`newest`), whose position is its first row's plus the tokens it accepted."""
+        spec = self.config.speculative
+        assert self.token_history is not None and spec is not None
+        if verified is None:  # one row per sequence, one token accepted
+            lengths, tables = positions + 2, meta.decode_block_tables
+        else:
+            starts, = upload_int64([list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]],
+                                   self.device)
+            lengths = positions[starts] + verified.accepted.long() + 1
+            tables = meta.decode_block_tables[starts]
+        return ngram_device.propose(self.token_history, tables, self.block_size, lengths, newest,
+                                    spec.prompt_lookup_min, spec.prompt_lookup_max, cap)
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (every rank calls this; rank 0 first releases the

@@ -366,34 +366,77 @@ class ScriptedCaps:
         return "scripted"
 
 
-def test_adaptive_ngram_pipelines_its_steps_without_drafts(model_dir) -> None:
-    """Steps the draft policy gives no drafts go out ahead like plain decoding; a step with
-    drafts, and the one before it, run in turn. Greedy text equals decoding without speculation."""
-    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [12, 13, 14, 15, 16]]
+@pytest.mark.parametrize("device", DEVICES)
+def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_dir, monkeypatch, device) -> None:
+    """n-gram's steps go out ahead whatever their drafts: the worker keeps the context on the
+    device, finds each verify step's accepted drafts there, moves the step sent after it on by
+    them and looks its drafts up there. Wherever the in-turn run (drafts from the host's
+    context) drafts for a sequence at a position, the device drafted the same tokens, and the
+    greedy text is that of decoding without speculation."""
+    from fastdeploy.worker.model_runner import ModelRunner
 
-    def requests() -> list[EngineRequest]:
-        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24), 0.0)
+    model_dir = predictable_dir
+    off = _config(model_dir, "off", device=device)
+    seeds = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [12, 13, 14, 15, 16]]
+
+    def requests(prompts: list[list[int]], max_tokens: int = 20) -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2), 0.0)
                 for i, p in enumerate(prompts)]
 
-    off = _config(model_dir, "off")
-    plain = _run(EngineCore(off, InProcessExecutor(off)), requests())
+    # This model's next token is mostly a function of the token: a prompt that holds its own
+    # continuation (seed, what decoding wrote after it, the seed again) is continued much as
+    # before, which lookup drafting finds in the prompt.
+    first = _run(EngineCore(off, InProcessExecutor(off)), requests(seeds, 16))
+    prompts = [seed + first[f"r{i}"]["tokens"] + seed for i, seed in enumerate(seeds)]
+    drafted: dict[str, dict[tuple[int, int], list[int]]] = {"off": {}, "on": {}}
+    propose_drafts = ModelRunner._propose_drafts
+    drafts_ahead = ModelRunner._ngram_drafts_ahead
+
+    def recording(self, chunks, predecessor):  # drafts made on the host
+        drafts = propose_drafts(self, chunks, predecessor)
+        if predecessor is None or predecessor.drafts is None:
+            drafted[self.config.async_scheduling].update(
+                {(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
+        return drafts
+
+    def recording_device(self, positions, meta, slot_drafts, newest, verified, cap):
+        drafts = drafts_ahead(self, positions, meta, slot_drafts, newest, verified, cap)
+        starts = torch.tensor([0, *[len(d) + 1 for d in slot_drafts]]).cumsum(0)[:-1]
+        accepted = 1 if verified is None else verified.accepted.cpu().long()
+        newest_at = (positions.cpu()[starts] + accepted).tolist()
+        seq_ids = self._last_sampled.seq_ids
+        for seq_id, at, row in zip(seq_ids, newest_at, drafts.tolist(), strict=True):
+            drafted["on"][(seq_id, at)] = row
+        return drafts
+
+    monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
+    monkeypatch.setattr(ModelRunner, "_ngram_drafts_ahead", recording_device)
+    plain = _run(EngineCore(off, InProcessExecutor(off)), requests(prompts))
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
-    config = dataclasses.replace(_config(model_dir, "on"), speculative=spec)
-    executor = RecordingExecutor(config)
-    core = EngineCore(config, executor)
-    policy = ScriptedCaps([0, 0, 0, 0, 0, 3, 3, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 3] * 3)
-    core.draft_policy = policy  # type: ignore[assignment]
-    pipelined = _run(core, requests())
-    _assert_same(pipelined, plain)
+    script = [0, 0, 0, 0, 0, 3, 3, 0, 0, 0, 0, 2, 0, 0, 3, 3, 3, 1, 0, 3] * 3
+    results, stats = {}, {}
+    for mode in ("off", "on"):
+        config = dataclasses.replace(_config(model_dir, mode, device=device), speculative=spec)
+        executor = RecordingExecutor(config)
+        core = EngineCore(config, executor)
+        policy = ScriptedCaps(list(script))
+        core.draft_policy = policy  # type: ignore[assignment]
+        results[mode] = _run(core, requests(prompts))
+        stats[mode] = core.spec_stats
+    _assert_same(results["off"], plain)
+    _assert_same(results["on"], plain)
+    assert stats["on"].num_accepted_draft_tokens >= 5, stats
     followed, in_flight = _pipelined(executor.sent)
-    drafted = [step for step in executor.sent if any(c.num_lookahead for c in step.chunks)]
-    assert followed >= 5 and in_flight >= 10 and drafted, (followed, in_flight, len(drafted))
-    for step in drafted:
-        assert not step.followed and all(c.token_ids[-1] != IN_FLIGHT_TOKEN for c in step.chunks)
-    assert {cap for cap, _, _ in policy.observed} >= {0, 3}
-    # The policy is told which steps went out ahead: some without drafts, none with.
-    assert any(ahead for cap, _, ahead in policy.observed if cap == 0)
-    assert not any(ahead for cap, _, ahead in policy.observed if cap > 0)
+    verified_ahead = [step for step in executor.sent
+                      if any(c.num_lookahead and IN_FLIGHT_TOKEN in c.token_ids for c in step.chunks)]
+    assert followed >= 10 and in_flight >= 20 and len(verified_ahead) >= 4, (followed, in_flight, len(verified_ahead))
+    assert any(ahead for cap, _, ahead in policy.observed if cap > 0)
+    both = drafted["off"].keys() & drafted["on"].keys()
+    assert len(both) >= 4, (sorted(drafted["off"]), sorted(drafted["on"]))
+    for key in both:
+        host, device_row = drafted["off"][key], drafted["on"][key]
+        n = min(len(host), len(device_row))
+        assert device_row[:n] == host[:n], key
 
 
 @pytest.fixture(scope="module")
@@ -647,10 +690,14 @@ class _RandomCaps(ScriptedCaps):
         return self.rng.choice([0, 1, 2, 2, 2])
 
 
-def _random_schedule(seed: int, model_dir: str, head_dir: str | None) -> dict[str, tuple[list[int], str | None]]:
+def _random_schedule(seed: int, model_dir: str, spec: SpeculativeConfig | None,
+                     chains: list[list[int]] | None = None) -> tuple[dict[str, tuple[list[int], str | None]], int]:
     """One random workload (arrivals over the first steps, prompt and answer lengths, presence
     penalties, logprobs, aborts, a pool from tight to roomy), greedy; per request its tokens and
-    finish reason. `head_dir`: MTP with random caps and steps sent ahead; None: no speculation."""
+    finish reason, and the drafts accepted. `spec`: speculation with random caps and steps sent
+    ahead; None: none.
+    `chains`: texts the model writes; each prompt is then a piece of one followed by the start
+    of that piece again, so the model's continuation stands in the prompt (lookup drafts hit)."""
     rng = random.Random(seed)
     arrivals = []
     for i in range(rng.randint(1, 6)):
@@ -659,15 +706,19 @@ def _random_schedule(seed: int, model_dir: str, head_dir: str | None) -> dict[st
             params["presence_penalty"] = 1.0
         if rng.random() < 0.2:
             params["logprobs"] = 2
-        prompt = [rng.randint(12, VOCAB - 1) for _ in range(rng.randint(2, 40))]
+        if chains is None:
+            prompt = [rng.randint(12, VOCAB - 1) for _ in range(rng.randint(2, 40))]
+        else:
+            chain = rng.choice(chains)
+            first = rng.randint(0, len(chain) - 8)
+            piece = chain[first:first + rng.randint(6, min(28, len(chain) - first))]
+            prompt = piece + piece[:rng.randint(1, len(piece) - 1)]
         arrivals.append((rng.randint(0, 12), EngineRequest(f"r{i}", prompt, SamplingParams(**params), 0.0)))
     aborts = {request.request_id: rng.randint(1, 20) for _, request in arrivals if rng.random() < 0.2}
-    config = _config(model_dir, "off" if head_dir is None else "on", num_blocks=rng.choice([20, 30, 64, 256]))
-    if head_dir is not None:
-        config = dataclasses.replace(config, speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2,
-                                                                           model=head_dir))
+    config = _config(model_dir, "off" if spec is None else "on", num_blocks=rng.choice([20, 30, 64, 256]))
+    config = dataclasses.replace(config, speculative=spec)
     core = EngineCore(config, InProcessExecutor(config))
-    if head_dir is not None:
+    if spec is not None:
         core.draft_policy = _RandomCaps(seed)  # type: ignore[assignment]
     out: dict[str, tuple[list[int], str | None]] = {r.request_id: ([], None) for _, r in arrivals}
     arrivals.sort(key=lambda a: a[0])
@@ -689,20 +740,47 @@ def _random_schedule(seed: int, model_dir: str, head_dir: str | None) -> dict[st
         assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "blocks left held"
     finally:
         core.shutdown()
-    return out
+    return out, core.spec_stats.num_accepted_draft_tokens
 
 
 def test_mtp_drafts_ahead_over_random_workloads(predictable_dir, mtp_head_dir) -> None:
     """Random arrivals, lengths, penalties, aborts and pools, with random caps: greedy text and
     finish reasons under MTP with steps sent ahead are decoding's without speculation (an
     aborted request: a prefix of it, since its abort lands after a delta of several tokens)."""
-    for seed in range(16):
-        plain = _random_schedule(seed, predictable_dir, None)
-        spec = _random_schedule(seed, predictable_dir, mtp_head_dir)
+    _assert_random_workloads(predictable_dir, SpeculativeConfig(method="mtp", num_speculative_tokens=2,
+                                                                model=mtp_head_dir))
+
+
+def test_ngram_drafts_ahead_over_random_workloads(predictable_dir) -> None:
+    """The same for n-gram drafting on the device, with prompts that hold the model's own
+    continuation, so lookups hit and steps sent ahead accept drafts."""
+    off = _config(predictable_dir, "off")
+    seeds = [[5, 6, 7, 8], [300, 301], [1500, 40, 41], [999]]
+    written = _run(EngineCore(off, InProcessExecutor(off)),
+                   [EngineRequest(f"c{i}", p, SamplingParams(temperature=0.0, max_tokens=56), 0.0)
+                    for i, p in enumerate(seeds)])
+    chains = [seed + written[f"c{i}"]["tokens"] for i, seed in enumerate(seeds)]
+    chains = [chain for chain in chains if len(chain) >= 16]  # an early EOS leaves a short one
+    assert len(chains) >= 2, chains
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3)
+    accepted = _assert_random_workloads(predictable_dir, spec, chains)
+    assert accepted >= 100, accepted
+
+
+def _assert_random_workloads(model_dir: str, spec: SpeculativeConfig, chains: list[list[int]] | None = None,
+                             seeds: int = 16) -> int:
+    """`_random_schedule` with and without `spec` agree over `seeds` workloads; returns the
+    drafts accepted."""
+    accepted = 0
+    for seed in range(seeds):
+        plain, _ = _random_schedule(seed, model_dir, None, chains)
+        speculative, num_accepted = _random_schedule(seed, model_dir, spec, chains)
+        accepted += num_accepted
         for request_id, (want, want_finish) in plain.items():
-            got, got_finish = spec[request_id]
+            got, got_finish = speculative[request_id]
             if "abort" in (want_finish, got_finish):
                 n = min(len(want), len(got))
                 assert got[:n] == want[:n], (seed, request_id)
             else:
                 assert (got, got_finish) == (want, want_finish), (seed, request_id)
+    return accepted
