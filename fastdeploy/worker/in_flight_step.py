@@ -42,6 +42,9 @@ class QueuedSampling:
     # (`slot_drafts` then holds placeholders of the right lengths); None: `slot_drafts` holds them.
     device_drafts: torch.Tensor | None = None
     verified: VerifiedSlots | None = None  # a verify step sent with a successor: its accept counts
+    # int64 [B] on the host (copied after the frame's wait): each sequence's real drafts among
+    # `device_drafts`, where the device's lookups may find fewer than placed; None: all are real.
+    num_proposed: torch.Tensor | None = None
 
 
 @dataclass

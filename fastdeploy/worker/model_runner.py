@@ -228,6 +228,7 @@ class ModelRunner:
             chunks, drafts, self.block_size, self.device)
         in_flight = input_prep.in_flight_slots(chunks, drafts)
         device_drafts = None  # the drafts verified here, where the host has only their number
+        num_proposed = None  # per sampled sequence, of those: the real ones (n-gram lookups may come up short)
         if in_flight:
             if predecessor is None:
                 raise RuntimeError("a step computes in-flight tokens, but the step before it sampled none")
@@ -235,6 +236,8 @@ class ModelRunner:
                                               [len(drafts.get(seq_id, ())) for _, seq_id in in_flight], seq_ids,
                                               self.device)
             broadcast_from_first(input_ids)  # the other ranks' plan has placeholders there
+            if device_drafts is not None and self.token_history is not None:
+                num_proposed = _to_host((device_drafts != ngram_device.NO_DRAFT).sum(1))
         hidden = self._forward(input_ids, positions, attn_metadata)
         if not seq_ids:
             if self.mtp is not None:
@@ -317,7 +320,8 @@ class ModelRunner:
             done.record()
         return InFlightStep(events, QueuedSampling(step.message_id, chunks, drafts, seq_ids, slot_drafts, states,
                                                    hidden, logits, metadata, may_redraw, rng_states, sampled,
-                                                   step, self._launches, done, device_drafts, verified))
+                                                   step, self._launches, done, device_drafts, verified,
+                                                   num_proposed))
 
     @torch.inference_mode()
     def finish(self, step: InFlightStep) -> StepOutput:
@@ -388,10 +392,11 @@ class ModelRunner:
             else:  # finished early, inside the successor's launch: that launch moves its chunks on
                 self._accepted_ahead = accepted
         if q.drafts:
-            events.num_verified_sequences = len(q.drafts)
-            events.num_draft_tokens = sum(len(d) for d in q.slot_drafts)
-            events.num_accepted_draft_tokens = sum(len(run) - 1 for run, d in zip(runs, q.slot_drafts, strict=True)
-                                                   if d)
+            # Drafts looked up on the device may come up short: only the real ones count.
+            proposed = [len(d) for d in q.slot_drafts] if q.num_proposed is None else q.num_proposed.tolist()
+            events.num_verified_sequences = sum(1 for n in proposed if n)
+            events.num_draft_tokens = sum(proposed)
+            events.num_accepted_draft_tokens = sum(len(run) - 1 for run, n in zip(runs, proposed, strict=True) if n)
         if self.mtp is not None and not q.step.followed:  # a followed step fed it at launch
             # After the frame: the host's share of drafting (inputs of each MTP pass) then runs
             # while the engine takes in the frame, and the passes while it schedules.
@@ -593,6 +598,16 @@ def _moved_on(chunks: list[ChunkInput], drafts: dict[int, list[int]], counts: di
     moved = {seq_id for _, seq_id in input_prep.in_flight_slots(chunks, drafts)}
     return [msgspec.structs.replace(c, start=c.start + counts[c.seq_id] - 1)
             if c.seq_id in moved and c.seq_id in counts else c for c in chunks]
+
+
+def _to_host(values: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued without waiting on CUDA (complete once a later wait on the
+    stream is); read it only after such a wait."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
 
 
 def _restore_generators(generators: list[torch.Generator | None], states: list[torch.Tensor | None]) -> None:

@@ -426,6 +426,9 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
     _assert_same(results["off"], plain)
     _assert_same(results["on"], plain)
     assert stats["on"].num_accepted_draft_tokens >= 5, stats
+    # Lookups that came up short are not counted as drafts: these prompts' drafts mostly hold.
+    for mode in ("off", "on"):
+        assert stats[mode].num_accepted_draft_tokens >= 0.7 * stats[mode].num_draft_tokens, stats
     followed, in_flight = _pipelined(executor.sent)
     verified_ahead = [step for step in executor.sent
                       if any(c.num_lookahead and IN_FLIGHT_TOKEN in c.token_ids for c in step.chunks)]
