@@ -1,10 +1,11 @@
-"""What an MTP step costs per draft cap, in process, with the cap held fixed.
+"""What a speculative step costs per draft cap, in process, with the cap held fixed.
 
-    python benchmarks/mtp_step_cost.py [--shape smollm2-135m|llama-1b|llama3-8b-dummy] [--device cuda]
-        [--batches 1 16] [--tokens 256] [--tokenizer DIR] [--device-timeline] [--name NAME]
+    python benchmarks/mtp_step_cost.py [--method mtp|ngram] [--shape smollm2-135m|llama-1b|llama3-8b-dummy]
+        [--device cuda] [--batches 1 16] [--tokens 256] [--tokenizer DIR] [--device-timeline] [--name NAME]
 
-One engine without speculation and one with MTP (2 drafts), the draft policy replaced by one
-that always gives the same cap (0, 1, 2: `fixed_cap`), greedy, EOS ignored, token-id prompts.
+One engine without speculation and one with MTP (2 drafts; `--method ngram`: n-gram lookup of
+2 drafts, suffixes of 1-3 tokens), the draft policy replaced by one that always gives the same
+cap (0, 1, 2: `FixedCap`), greedy, EOS ignored, token-id prompts.
 Per batch and cap: milliseconds per engine step (best of `--reps` runs), tokens per step per
 sequence, the drafts' acceptance, and whether the text equals the engine's without speculation.
 
@@ -137,6 +138,7 @@ def measure(llm: LLM, batch: int, tokens: int, reps: int) -> tuple[dict, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", choices=["mtp", "ngram"], default="mtp")
     ap.add_argument("--shape", choices=["smollm2-135m", "llama-1b", "llama3-8b-dummy"], default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -157,8 +159,10 @@ def main() -> None:
         common = dict(device=args.device, max_num_seqs=max(args.batches), guided_decoding_backend="off",
                       num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer or embedded_model_path(), **target)
         off = LLM(**common)
-        mtp = LLM(**common, speculative_config={"method": "mtp", "num_speculative_tokens": NUM_DRAFTS,
-                                                "model": head_dir})
+        spec = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "model": head_dir} if args.method == "mtp" \
+            else {"method": "ngram", "num_speculative_tokens": NUM_DRAFTS, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 3}
+        mtp = LLM(**common, speculative_config=spec)
         for batch in args.batches:
             row, plain = measure(off, batch, args.tokens, args.reps)
             rows.append({"config": "off", **row, "same_as_off": True})
@@ -183,7 +187,7 @@ def main() -> None:
         values = [next(r["ms_per_step"] for r in rows if r["config"] == name and r["batch"] == b) for b in args.batches]
         ax.bar([x + i * width for x in range(len(args.batches))], values, width, label=name)
     ax.set_xticks([x + 1.5 * width for x in range(len(args.batches))], [f"batch {b}" for b in args.batches])
-    finish_bar_axis(ax, f"ms per engine step ({args.shape})")
+    finish_bar_axis(ax, f"ms per engine step ({args.method}, {args.shape})")
     fig.savefig(png_path(args.name), dpi=120, bbox_inches="tight")
     print(f"wrote {path} and {png_path(args.name)}")
 

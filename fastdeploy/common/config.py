@@ -137,10 +137,10 @@ def pipelines_steps(config: EngineConfig) -> bool:
 
     Adaptive speculation pipelines the steps its draft policy gives no drafts (a busy batch):
     there it decodes about as fast as without speculation (MTP's head still takes in each such
-    step's tokens, from the device, before the next step runs). n-gram drafts come from each
-    step's tokens on the host, so a step that verifies them runs in turn; MTP on one GPU drafts
-    on the device, and its verify steps go ahead too. Fixed drafts keep every step in turn; `on`
-    with them is refused."""
+    step's tokens, from the device, before the next step runs). On one GPU both methods draft on
+    the device (MTP's module; n-gram lookup in the context the worker keeps there), and their
+    verify steps go ahead too; under tensor parallelism a step with drafts runs in turn. Fixed
+    drafts keep every step in turn; `on` with them is refused."""
     mode = config.async_scheduling
     if mode not in ASYNC_SCHEDULING_MODES:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")

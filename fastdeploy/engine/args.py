@@ -164,7 +164,7 @@ class EngineArgs:
                             help="schedule and launch step N+1 while step N runs, its input tokens taken from "
                                  "step N's sampler on the device, so the GPU does not wait for the host between "
                                  "steps; auto: on for CUDA without speculative decoding, or with adaptive (n-gram or "
-                                 "MTP) speculation (its steps without drafts)")
+                                 "MTP) speculation (on one GPU its steps with drafts too)")
         return parser
 
     @classmethod

@@ -19,8 +19,8 @@ With asynchronous scheduling a step without drafts is sent ahead of the running 
 next has none either, so a run of them costs less per step than one such step between drafted
 steps, which goes in turn. Cap 0 is therefore tried as a run of steps, its figures are those of
 the steps sent ahead (the in-turn ones are kept apart), and trying a drafting cap while cap 0 is
-the best also pays for the in-turn step it forces (with n-gram drafts; MTP on one GPU sends its
-steps with drafts ahead too, and then no step goes in turn to count).
+the best also pays for the in-turn step it forces (under tensor parallelism; on one GPU the
+worker drafts on the device and steps with drafts go ahead too, so no step goes in turn to count).
 """
 
 from __future__ import annotations
