@@ -30,6 +30,10 @@ SERVERS = {
     "mtp_server": (("--max-num-seqs", "4", "--max-model-len", "1024", "--enable-keep-sampling-mask",
                     "--num-kv-blocks", "256", "--async-scheduling", "on", "--speculative-config",
                     json.dumps({"method": "mtp", "num_speculative_tokens": 2})), None),
+    # n-gram (adaptive) with steps overlapped: its verify steps sent ahead, lookups on the device.
+    "ngram_ahead_server": (("--max-num-seqs", "4", "--max-model-len", "1024", "--enable-keep-sampling-mask",
+                            "--num-kv-blocks", "256", "--async-scheduling", "on", "--speculative-config",
+                            json.dumps({"method": "ngram", "num_speculative_tokens": 3})), None),
     # test_lifecycle.py: one server per test, each taken down by its test.
     "killed_worker_server": (("--max-num-seqs", "8", "--enable-keep-sampling-mask"), None),
     "sigterm_server": (("--max-num-seqs", "4"), None),
@@ -39,7 +43,7 @@ SERVERS = {
 # A start-up keeps about one core busy: servers of one group start together, in pairs, and the
 # tests run once every server of the pair is healthy (nothing else is starting beside them).
 GROUPS = [("killed_worker_server", "sigterm_server"), ("server", "reasoning_server"), ("mask_server", "spec_server"),
-          ("api_processes_server",), ("mtp_server",)]
+          ("api_processes_server",), ("mtp_server", "ngram_ahead_server")]
 
 
 class ServerLauncher:
@@ -107,6 +111,12 @@ def spec_server(server_launcher):
 def mtp_server(server_launcher):
     """MTP (the shipped head, adaptive) with asynchronous scheduling and sampling masks."""
     yield from server_launcher.serve("mtp_server")
+
+
+@pytest.fixture(scope="package")
+def ngram_ahead_server(server_launcher):
+    """n-gram (adaptive, 3 drafts) with asynchronous scheduling and sampling masks."""
+    yield from server_launcher.serve("ngram_ahead_server")
 
 
 @pytest.fixture(scope="package")

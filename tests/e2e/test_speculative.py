@@ -40,27 +40,29 @@ def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(
     assert metrics["fastdeploy_spec_decode_mean_accepted_length"] > 1
 
 
-def test_mtp_with_steps_sent_ahead_matches_the_plain_server(mtp_server, client):
-    """MTP's verify steps and drafts go out ahead of the running step (asynchronous scheduling):
-    through the server the greedy text and logprobs are the plain server's, whole and streamed,
-    with one sampling mask per token."""
-    mtp_client = mtp_server.openai_client()
+@pytest.mark.parametrize("spec_server_name", ["mtp_server", "ngram_ahead_server"])
+def test_steps_sent_ahead_with_drafts_match_the_plain_server(spec_server_name, request, client):
+    """MTP's and n-gram's verify steps and drafts go out ahead of the running step (asynchronous
+    scheduling; drafts made on the device): through the server the greedy text and logprobs are
+    the plain server's, whole and streamed, with one sampling mask per token."""
+    spec_server = request.getfixturevalue(spec_server_name)
+    spec_client = spec_server.openai_client()
     messages = [{"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]
     kwargs = dict(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=40, logprobs=True,
                   top_logprobs=2)
     plain = client.chat.completions.create(**kwargs)
     for _ in range(2):  # the draft policy tries its caps on the first answers
-        whole = mtp_client.chat.completions.create(**kwargs)
+        whole = spec_client.chat.completions.create(**kwargs)
         assert whole.choices[0].message.content == plain.choices[0].message.content
         for a, b in zip(whole.choices[0].logprobs.content, plain.choices[0].logprobs.content, strict=True):
             assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
     text, masks = "", 0
-    for chunk in mtp_client.chat.completions.create(**kwargs, stream=True):
+    for chunk in spec_client.chat.completions.create(**kwargs, stream=True):
         choice = chunk.choices[0]
         text += choice.delta.content or ""
         masks += len((choice.model_extra or {}).get("sampling_mask") or [])
     assert text == plain.choices[0].message.content and masks == plain.usage.completion_tokens
-    assert mtp_server.metrics()["fastdeploy_spec_decode_num_draft_tokens_total"] > 0
+    assert spec_server.metrics()["fastdeploy_spec_decode_num_draft_tokens_total"] > 0
 
 
 def test_invalid_speculative_config_fails_at_start():
