@@ -33,6 +33,7 @@ class StepSyncs:
 
     batch: int  # sequences sampled in the step
     decode: bool  # every chunk is one sampled token
+    verifies: bool = False  # every chunk is a sampled decode row with draft rows after it
     sources: list[str] = field(default_factory=list)  # "file:line" of each synchronising call PyTorch saw
 
     @property
@@ -66,6 +67,8 @@ def count_step_syncs(runner: ModelRunner) -> Iterator[list[StepSyncs]]:
         record = StepSyncs(
             batch=len(sampled),
             decode=bool(step.chunks) and all(c.sample and len(c.token_ids) == 1 for c in step.chunks),
+            verifies=bool(step.chunks) and all(c.sample and len(c.token_ids) == 1 and c.num_lookahead > 0
+                                               and c.start > 0 for c in step.chunks),
         )
         steps.append(record)
         handle = _watched(lambda: launch(step), record.sources)

@@ -91,3 +91,43 @@ def test_bitmap_mask_decode_step_synchronises_once(llm_with_masks):
                             sampling_mask_format="bitmap")
     steps = _decode_syncs(llm_with_masks, params)
     assert all(s.total == 1 for s in steps), _report(steps)
+
+
+class _FixedCap:
+    """A draft policy that drafts the same number every step."""
+
+    def __init__(self, cap: int) -> None:
+        self.k = cap
+
+    def cap(self, num_rows: int) -> int:
+        return self.k
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"fixed {self.k}"
+
+
+@pytest.mark.parametrize("spec", [{"method": "mtp", "num_speculative_tokens": 2},
+                                  {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3}], ids=["mtp", "ngram"])
+def test_verify_steps_sent_ahead_synchronise_once(spec):
+    """A verify step sent ahead (its accept counts, the next step's placement and drafts, all on
+    the device) waits for the GPU only for its frame: a wait inside its launch would stall the
+    host behind the step still running and undo the overlap."""
+    engine = LLM(guided_decoding_backend="off", device="cuda", max_num_seqs=8, speculative_config=spec)
+    try:
+        engine.engine.draft_policy = _FixedCap(2)
+        runner = engine.engine.executor.runner
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        with count_step_syncs(runner) as steps:
+            engine.chat([[{"role": "user", "content": f"Repeat exactly: {p} {p}"}] for p in PROMPTS], params)
+        verifying = [s for s in steps if s.batch and s.verifies][2:]
+        assert len(verifying) >= 8, f"{len(steps)} steps, {len(verifying)} verifying"
+        assert all(s.total == 1 for s in verifying), _report(verifying)
+    finally:
+        engine.engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
