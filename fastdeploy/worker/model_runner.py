@@ -28,7 +28,6 @@ from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput, NewSequenc
 from fastdeploy.distributed.parallel_state import all_reduce_min, broadcast_from_first, destroy_tensor_parallel
 from fastdeploy.distributed.shard import local_config
 from fastdeploy.model_executor.cuda_graph import CudaGraphRunner
-from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
@@ -312,8 +311,8 @@ class ModelRunner:
             assert self._last_sampled is not None
             assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
                 "a followed step that drafts decodes only"
-            self._last_sampled.drafts = self._ngram_drafts_ahead(positions, attn_metadata, slot_drafts,
-                                                                 self._last_sampled.tokens, verified, next_cap)
+            self._last_sampled.drafts = self._ngram_drafts_ahead(positions, attn_metadata, self._last_sampled.tokens,
+                                                                 verified, next_cap)
         done = None
         if step.followed and self.device.type == "cuda":  # the next step launches before this one's frame
             done = torch.cuda.Event()
@@ -551,8 +550,8 @@ class ModelRunner:
                 drafts[chunk.seq_id] = list(draft)
         return drafts
 
-    def _ngram_drafts_ahead(self, positions: torch.Tensor, meta: AttentionMetadata, slot_drafts: list[list[int]],
-                            newest: torch.Tensor, verified: slot_layout.VerifiedSlots | None, cap: int) -> torch.Tensor:
+    def _ngram_drafts_ahead(self, positions: torch.Tensor, meta: AttentionMetadata, newest: torch.Tensor,
+                            verified: slot_layout.VerifiedSlots | None, cap: int) -> torch.Tensor:
         """`cap` n-gram drafts per sequence of a pure decode step sent with a successor (int64
         [B, cap], on the device): each sequence's context runs to the token after its last
         accepted row (`newest`), whose position is its first row's plus the tokens it accepted."""
@@ -561,8 +560,7 @@ class ModelRunner:
         if verified is None:  # one row per sequence, one token accepted
             lengths, tables = positions + 2, meta.decode_block_tables
         else:
-            starts, = upload_int64([list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]],
-                                   self.device)
+            starts = verified.rows[:, 0]  # each sequence's first row, already on the device
             lengths = positions[starts] + verified.accepted.long() + 1
             tables = meta.decode_block_tables[starts]
         return ngram_device.propose(self.token_history, tables, self.block_size, lengths, newest,

@@ -399,9 +399,9 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
                 {(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
         return drafts
 
-    def recording_device(self, positions, meta, slot_drafts, newest, verified, cap):
-        drafts = drafts_ahead(self, positions, meta, slot_drafts, newest, verified, cap)
-        starts = torch.tensor([0, *[len(d) + 1 for d in slot_drafts]]).cumsum(0)[:-1]
+    def recording_device(self, positions, meta, newest, verified, cap):
+        drafts = drafts_ahead(self, positions, meta, newest, verified, cap)
+        starts = torch.arange(len(newest)) if verified is None else verified.rows[:, 0].cpu()
         accepted = 1 if verified is None else verified.accepted.cpu().long()
         newest_at = (positions.cpu()[starts] + accepted).tolist()
         seq_ids = self._last_sampled.seq_ids
