@@ -58,7 +58,8 @@ class SampledTokens:
     # rows of a sequence sit that many positions further on than the host, which has not seen
     # the count, placed them. None: a step without drafts.
     advance: torch.Tensor | None = None
-    # MTP drafting on the device after this step: int64 [len(seq_ids), cap], the next step's drafts.
+    # Drafts made on the device after this step (the MTP module, or n-gram lookup): int64
+    # [len(seq_ids), cap], the next step's drafts (-1 where a lookup found fewer).
     drafts: torch.Tensor | None = None
 
     def _rows(self, slots: list[tuple[int, int]]) -> list[int]:

@@ -292,25 +292,25 @@ class ModelRunner:
         elif step.followed:  # ... moved on by the drafts each sequence accepts, found on the device
             verified = slot_layout.verify(slot_drafts, sampled.sampled_token_ids, device_drafts)
             self._last_sampled = SampledTokens(seq_ids, verified.newest, advance=verified.accepted.long() - 1)
+        drafts_ahead = step.followed and drafts_on_device and (bool(drafts) or next_cap > 0)
+        if drafts_ahead:
+            # The engine follows only a pure decode step so (every row sampled, in order).
+            assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
+                "a followed step that verifies or drafts decodes only"
         if self.mtp is not None and step.followed:
             # The next step runs before this one's tokens reach the host (and may overwrite its
             # hidden states): the MTP module takes this step in now, its tokens from the device.
             assert self._last_sampled is not None
-            if drafts or next_cap > 0:
-                # The engine follows only a pure decode step so (every row sampled, in order).
-                assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
-                    "a followed step that verifies or drafts decodes only"
+            if drafts_ahead:
                 starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
                 self._last_sampled.drafts = self.mtp.draft_in_flight(
                     hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids, starts,
                     None if verified is None else verified.accepted, next_cap)
             else:
                 self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
-        elif self.token_history is not None and step.followed and next_cap > 0:
+        elif self.token_history is not None and drafts_ahead and next_cap > 0:
             # The next step's n-gram drafts, from the context on the device (its newest token too).
             assert self._last_sampled is not None
-            assert not attn_metadata.prefills and len(sample_rows) == input_ids.shape[0], \
-                "a followed step that drafts decodes only"
             self._last_sampled.drafts = self._ngram_drafts_ahead(positions, attn_metadata, self._last_sampled.tokens,
                                                                  verified, next_cap)
         done = None
@@ -525,8 +525,9 @@ class ModelRunner:
 
     def _propose_drafts(self, chunks: list[ChunkInput], predecessor: SampledTokens | None) -> dict[int, list[int]]:
         """Draft tokens per decoding sequence that has lookahead slots reserved (non-empty only).
-        Drafts the step before made on the device (MTP, that step still running) are placeholders
-        here, written on the device (`SampledTokens.place`); only sequences in flight have them."""
+        Drafts the step before made on the device (MTP, or n-gram lookup; that step still running)
+        are placeholders here, written on the device (`SampledTokens.place`); only sequences in
+        flight have them."""
         drafts = {}
         if self.mtp is not None:
             self.mtp.take_drafts(self.sequences)

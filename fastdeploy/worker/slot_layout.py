@@ -90,7 +90,7 @@ def verify(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.T
            ) -> VerifiedSlots:
     """A verify step's sampler rows (`sampled`, each sequence's slots one after another) as
     [B, S] slots with each sequence's accept count, found on the device. `drafted`: int64
-    [B, >= S - 1] drafts already on the device (-1 past a sequence's own; MTP drafting ahead),
+    [B, >= S - 1] drafts already on the device (-1 past a sequence's own; drafts made ahead),
     in place of the values of `slot_drafts`, of which only the lengths are read then."""
     device = sampled.device
     batch = len(slot_drafts)
