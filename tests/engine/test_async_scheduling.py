@@ -366,6 +366,35 @@ class ScriptedCaps:
         return "scripted"
 
 
+def _record_host_drafts(monkeypatch) -> dict[str, dict[tuple[int, int], list[int]]]:
+    """drafts[mode][(seq_id, position of its newest token)]: the drafts each step made on the host,
+    per async_scheduling mode; a test adds the device's drafts under "on" itself."""
+    from fastdeploy.worker.model_runner import ModelRunner
+
+    drafted: dict[str, dict[tuple[int, int], list[int]]] = {"off": {}, "on": {}}
+    propose_drafts = ModelRunner._propose_drafts
+
+    def recording(self, chunks, predecessor):
+        drafts = propose_drafts(self, chunks, predecessor)
+        if predecessor is None or predecessor.drafts is None:
+            drafted[self.config.async_scheduling].update(
+                {(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
+        return drafts
+
+    monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
+    return drafted
+
+
+def _assert_same_drafts(drafted: dict[str, dict[tuple[int, int], list[int]]], at_least: int) -> None:
+    """Wherever both runs drafted for a sequence at a position (at least `at_least` times), the
+    drafts agree as far as both go."""
+    both = drafted["off"].keys() & drafted["on"].keys()
+    assert len(both) >= at_least, (sorted(drafted["off"]), sorted(drafted["on"]))
+    for key in both:
+        n = min(len(drafted["off"][key]), len(drafted["on"][key]))
+        assert drafted["on"][key][:n] == drafted["off"][key][:n], key
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_dir, monkeypatch, device) -> None:
     """n-gram's steps go out ahead whatever their drafts: the worker keeps the context on the
@@ -388,16 +417,8 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
     # before, which lookup drafting finds in the prompt.
     first = _run(EngineCore(off, InProcessExecutor(off)), requests(seeds, 16))
     prompts = [seed + first[f"r{i}"]["tokens"] + seed for i, seed in enumerate(seeds)]
-    drafted: dict[str, dict[tuple[int, int], list[int]]] = {"off": {}, "on": {}}
-    propose_drafts = ModelRunner._propose_drafts
+    drafted = _record_host_drafts(monkeypatch)
     drafts_ahead = ModelRunner._ngram_drafts_ahead
-
-    def recording(self, chunks, predecessor):  # drafts made on the host
-        drafts = propose_drafts(self, chunks, predecessor)
-        if predecessor is None or predecessor.drafts is None:
-            drafted[self.config.async_scheduling].update(
-                {(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
-        return drafts
 
     def recording_device(self, positions, meta, newest, verified, cap):
         drafts = drafts_ahead(self, positions, meta, newest, verified, cap)
@@ -409,7 +430,6 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
             drafted["on"][(seq_id, at)] = row
         return drafts
 
-    monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
     monkeypatch.setattr(ModelRunner, "_ngram_drafts_ahead", recording_device)
     plain = _run(EngineCore(off, InProcessExecutor(off)), requests(prompts))
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -434,12 +454,7 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
                       if any(c.num_lookahead and IN_FLIGHT_TOKEN in c.token_ids for c in step.chunks)]
     assert followed >= 10 and in_flight >= 20 and len(verified_ahead) >= 4, (followed, in_flight, len(verified_ahead))
     assert any(ahead for cap, _, ahead in policy.observed if cap > 0)
-    both = drafted["off"].keys() & drafted["on"].keys()
-    assert len(both) >= 4, (sorted(drafted["off"]), sorted(drafted["on"]))
-    for key in both:
-        host, device_row = drafted["off"][key], drafted["on"][key]
-        n = min(len(host), len(device_row))
-        assert device_row[:n] == host[:n], key
+    _assert_same_drafts(drafted, at_least=4)
 
 
 @pytest.fixture(scope="module")
@@ -494,7 +509,6 @@ def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir,
     module's K/V are what the in-turn path writes: wherever both runs draft for a sequence at a
     position, the drafts are the same (a random head, greedy), and the text is that of decoding
     without speculation."""
-    from fastdeploy.worker.model_runner import ModelRunner
     from fastdeploy.worker.mtp_step import MTPStep
 
     model_dir = predictable_dir
@@ -506,18 +520,10 @@ def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir,
                 for i, p in enumerate(prompts)]
 
     plain = _run(EngineCore(off, InProcessExecutor(off)), requests())
-    drafted: dict[str, dict[tuple[int, int], list[int]]] = {"off": {}, "on": {}}
+    drafted = _record_host_drafts(monkeypatch)
     calls = {"fill": 0, "draft": 0}
-    propose_drafts = ModelRunner._propose_drafts
     feed_in_flight = MTPStep.feed_in_flight
     draft_in_flight = MTPStep.draft_in_flight
-
-    def recording(self, chunks, predecessor):  # drafts made on the host (steps in turn)
-        drafts = propose_drafts(self, chunks, predecessor)
-        if predecessor is None or predecessor.drafts is None:
-            drafted[self.config.async_scheduling].update(
-                {(c.seq_id, c.start): drafts[c.seq_id] for c in chunks if c.seq_id in drafts})
-        return drafts
 
     def counting_fill(self, *args, **kwargs):
         calls["fill"] += 1
@@ -533,7 +539,6 @@ def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir,
                 drafted["on"][(seq_id, at + 1)] = row
         return drafts
 
-    monkeypatch.setattr(ModelRunner, "_propose_drafts", recording)
     monkeypatch.setattr(MTPStep, "feed_in_flight", counting_fill)
     monkeypatch.setattr(MTPStep, "draft_in_flight", recording_device)
     core, _ = _mtp_core(model_dir, mtp_head_dir, "off", device)
@@ -553,11 +558,7 @@ def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir,
     assert followed >= 10 and in_flight >= 20, (followed, in_flight)
     assert len(verified_ahead) >= 4 and len(followed_verifying) >= 4, (len(verified_ahead), len(followed_verifying))
     assert calls["draft"] >= 6 and calls["fill"] >= 1, calls
-    both = drafted["off"].keys() & drafted["on"].keys()
-    assert len(both) >= 6, (sorted(drafted["off"]), sorted(drafted["on"]))
-    for key in both:
-        n = min(len(drafted["off"][key]), len(drafted["on"][key]))
-        assert drafted["on"][key][:n] == drafted["off"][key][:n], key
+    _assert_same_drafts(drafted, at_least=6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
