@@ -49,6 +49,40 @@ def propose(history: TokenHistory, block_tables: torch.Tensor, block_size: int, 
     return _propose_torch(history.tokens, block_tables, block_size, lengths, newest, min_n, max_n, num_drafts)
 
 
+def propose_after_step(history: TokenHistory, block_tables: torch.Tensor, block_size: int, positions: torch.Tensor,
+                       first_rows: torch.Tensor | None, accepted: torch.Tensor | None, newest: torch.Tensor,
+                       min_n: int, max_n: int, num_drafts: int) -> torch.Tensor:
+    """`propose` for the sequences of a pure decode step (`positions` and `block_tables`: its
+    rows'): sequence b's first row is `first_rows[b]` (a view may be strided; None: row b, one row each) and its context
+    runs to the token after its last accepted row, positions[first row] + accepted[b] + 1 tokens
+    (`accepted` None: one each). On CUDA the lengths are found in the lookup's own launch."""
+    if triton is not None and history.tokens.is_cuda:
+        return _after_step_triton(history.tokens, block_tables, block_size, positions, first_rows, accepted, newest,
+                                  min_n, max_n, num_drafts)
+    if first_rows is None:
+        lengths, tables = positions + 2, block_tables
+    else:
+        assert accepted is not None
+        lengths, tables = positions[first_rows] + accepted.long() + 1, block_tables[first_rows]
+    return _propose_torch(history.tokens, tables, block_size, lengths, newest, min_n, max_n, num_drafts)
+
+
+def _after_step_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_size: int, positions: torch.Tensor,
+                       first_rows: torch.Tensor | None, accepted: torch.Tensor | None, newest: torch.Tensor,
+                       min_n: int, max_n: int, num_drafts: int) -> torch.Tensor:
+    batch = newest.shape[0]
+    out = torch.empty(batch, num_drafts, dtype=torch.long, device=newest.device)
+    if batch:  # unused pointers get a tensor of the right kind; the constexpr flags keep them unread
+        _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0),
+                                first_rows if first_rows is not None else positions,
+                                first_rows.stride(0) if first_rows is not None else 1, positions,
+                                accepted if accepted is not None else positions, positions, newest, out,
+                                block_size, MIN_N=min_n, MAX_N=max_n, K=num_drafts,
+                                K_P2=triton.next_power_of_2(num_drafts), BLOCK=256, FROM_STEP=True,
+                                HAS_ROWS=first_rows is not None)
+    return out
+
+
 def _propose_torch(tokens: torch.Tensor, block_tables: torch.Tensor, block_size: int, lengths: torch.Tensor,
                    newest: torch.Tensor, min_n: int, max_n: int, num_drafts: int) -> torch.Tensor:
     """`propose` as tensor operations over each sequence's whole padded context."""
@@ -82,9 +116,9 @@ def _propose_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_size
     batch = lengths.shape[0]
     out = torch.empty(batch, num_drafts, dtype=torch.long, device=tokens.device)
     if batch:
-        _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0), lengths, newest, out, block_size,
-                                MIN_N=min_n, MAX_N=max_n, K=num_drafts, K_P2=triton.next_power_of_2(num_drafts),
-                                BLOCK=256)
+        _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0), lengths, 1, lengths, lengths, lengths,
+                                newest, out, block_size, MIN_N=min_n, MAX_N=max_n, K=num_drafts,
+                                K_P2=triton.next_power_of_2(num_drafts), BLOCK=256, FROM_STEP=False, HAS_ROWS=False)
     return out
 
 
@@ -98,12 +132,22 @@ if triton is not None:
         return tl.where(pos == length - 1, newest, token)
 
     @triton.jit
-    def _ngram_kernel(Tokens, Tables, table_stride, Lengths, Newest, Out, block_size,
+    def _ngram_kernel(Tokens, Tables, table_stride, FirstRows, rows_stride, Positions, Accepted, Lengths, Newest, Out,
+                      block_size,
                       MIN_N: tl.constexpr, MAX_N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
+                      BLOCK: tl.constexpr, FROM_STEP: tl.constexpr, HAS_ROWS: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
-        table = Tables + b * table_stride
-        length = tl.load(Lengths + b)
+        if FROM_STEP:  # `propose_after_step`: the sequence's first row and its accepted tokens
+            if HAS_ROWS:
+                row = tl.load(FirstRows + b * rows_stride)
+                length = tl.load(Positions + row) + tl.load(Accepted + b).to(tl.int64) + 1
+            else:
+                row = b
+                length = tl.load(Positions + row) + 2
+        else:
+            row = b
+            length = tl.load(Lengths + b)
+        table = Tables + row * table_stride
         newest = tl.load(Newest + b)
         start = length * 0 - 1
         for n in tl.static_range(MIN_N, MAX_N + 1):

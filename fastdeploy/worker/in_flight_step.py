@@ -12,8 +12,8 @@ from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput, SamplingMetadata
 from fastdeploy.worker.sequence_state import WorkerSequence
-from fastdeploy.worker.slot_layout import VerifiedSlots
 from fastdeploy.worker.step_output import StepOutput
+from fastdeploy.worker.verify_kernels import PlacedRows, VerifiedSlots, place_rows
 
 
 @dataclass
@@ -78,7 +78,7 @@ class SampledTokens:
 
     def place(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               slots: list[tuple[int, int]], widths: list[int], sampled_seq_ids: list[int],
-              device: torch.device) -> torch.Tensor | None:
+              device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`fill`, for a step whose in-flight sequences may also take their drafts from this one
         and sit further on than the host placed them: each (flat, seq_id) of `slots` is followed
         by `widths` draft rows (decode rows, the run the host laid out at its guess of the
@@ -87,10 +87,11 @@ class SampledTokens:
 
         Returns the drafts each of the step's sampled sequences (`sampled_seq_ids`, the sampler's
         row order) verifies, int64 [len(sampled_seq_ids), max(widths)], -1 past a sequence's own
-        (for the verification); None when no slot has drafts."""
+        (for the verification), and how many of each are real drafts (int64: a lookup may find
+        fewer than placed); None, None when no slot has drafts."""
         if self.advance is None and self.drafts is None:
             self.fill(input_ids, slots, device)
-            return None
+            return None, None
         if any(w and self.drafts is None for w in widths):
             raise RuntimeError("draft rows of in-flight sequences, but the step before drafted none")
         if self.advance is not None and max(f + w for (f, _), w in zip(slots, widths, strict=True)) \
@@ -107,27 +108,11 @@ class SampledTokens:
         # Per sampled sequence: its row here and how many drafts it verifies (0: none).
         drafting = {seq_id: (row, width) for (_, seq_id), row, width in zip(slots, rows, widths, strict=True)}
         by_sampler = [drafting.get(seq_id, (0, 0)) for seq_id in sampled_seq_ids]
-        flat_d, source_d, offset_d, sampler_rows_d, sampler_widths_d = upload_int64(
-            [flat, source, offset, [r for r, _ in by_sampler], [w for _, w in by_sampler]], device)
-        tokens = self.tokens[source_d]
-        width = max(widths)
-        drafted = None
-        if width:
-            assert self.drafts is not None
-            cols = (offset_d - 1).clamp(min=0, max=self.drafts.shape[1] - 1)
-            tokens = torch.where(offset_d > 0, self.drafts[source_d, cols], tokens)
-            taken = torch.arange(width, device=device) < sampler_widths_d.unsqueeze(1)
-            drafted = torch.where(taken, self.drafts[sampler_rows_d, :width], -1)
-        input_ids[flat_d] = tokens.clamp(min=0)
-        if self.advance is not None:
-            advance = self.advance[source_d]
-            moved = positions[flat_d] + advance
-            positions[flat_d] = moved
-            meta.decode_context_lens[flat_d] += advance
-            bs = meta.block_size
-            tables = meta.decode_block_tables[flat_d]
-            meta.slot_mapping[flat_d] = tables.gather(1, (moved // bs).unsqueeze(1)).squeeze(1) * bs + moved % bs
-        return drafted
+        placed = PlacedRows(*upload_int64([flat, source, offset, [r for r, _ in by_sampler],
+                                           [w for _, w in by_sampler]], device))
+        return place_rows(placed, self.tokens, self.drafts, self.advance, input_ids, positions,
+                          meta.decode_context_lens, meta.decode_block_tables, meta.slot_mapping, meta.block_size,
+                          max(widths))
 
 
 @dataclass

@@ -47,6 +47,7 @@ from fastdeploy.worker.sequence_state import WorkerSequence
 from fastdeploy.worker.startup_timing import StartupTimes
 from fastdeploy.worker.step_output import StepOutput
 from fastdeploy.worker.tp_startup import PlanChannel, start_tensor_parallel
+from fastdeploy.worker.verify_kernels import VerifiedSlots
 from fastdeploy.worker.warmup import PendingSampler, SamplerWarmUp, start_sampler_compile, warmed_up_sampler
 
 logger = logging.getLogger(__name__)
@@ -231,12 +232,12 @@ class ModelRunner:
         if in_flight:
             if predecessor is None:
                 raise RuntimeError("a step computes in-flight tokens, but the step before it sampled none")
-            device_drafts = predecessor.place(input_ids, positions, attn_metadata, in_flight,
-                                              [len(drafts.get(seq_id, ())) for _, seq_id in in_flight], seq_ids,
-                                              self.device)
+            widths = [len(drafts.get(seq_id, ())) for _, seq_id in in_flight]
+            device_drafts, proposed = predecessor.place(input_ids, positions, attn_metadata, in_flight, widths,
+                                                        seq_ids, self.device)
             broadcast_from_first(input_ids)  # the other ranks' plan has placeholders there
-            if device_drafts is not None and self.token_history is not None:
-                num_proposed = _to_host((device_drafts != ngram_device.NO_DRAFT).sum(1))
+            if proposed is not None and self.token_history is not None:
+                num_proposed = _to_host(proposed)
         hidden = self._forward(input_ids, positions, attn_metadata)
         if not seq_ids:
             if self.mtp is not None:
@@ -291,7 +292,7 @@ class ModelRunner:
             self._last_sampled = SampledTokens(seq_ids, sampled.sampled_token_ids)
         elif step.followed:  # ... moved on by the drafts each sequence accepts, found on the device
             verified = slot_layout.verify(slot_drafts, sampled.sampled_token_ids, device_drafts)
-            self._last_sampled = SampledTokens(seq_ids, verified.newest, advance=verified.accepted.long() - 1)
+            self._last_sampled = SampledTokens(seq_ids, verified.newest, advance=verified.advance)
         drafts_ahead = step.followed and drafts_on_device and (bool(drafts) or next_cap > 0)
         if drafts_ahead:
             # The engine follows only a pure decode step so (every row sampled, in order).
@@ -452,7 +453,7 @@ class ModelRunner:
             self._after_frame_error = exc
 
     def _pack(self, q: QueuedSampling, sampled: SamplerOutput,
-              verified: slot_layout.VerifiedSlots | None = None) -> PackedStep:
+              verified: VerifiedSlots | None = None) -> PackedStep:
         """`verified`: the accept counts of `sampled`, found at launch (a redraw finds its own)."""
         assert self.packer is not None, "only the sampling rank packs"
         return self.packer.pack(slot_layout.step_slots(q.message_id, q.seq_ids, q.slot_drafts, sampled,
@@ -552,20 +553,16 @@ class ModelRunner:
         return drafts
 
     def _ngram_drafts_ahead(self, positions: torch.Tensor, meta: AttentionMetadata, newest: torch.Tensor,
-                            verified: slot_layout.VerifiedSlots | None, cap: int) -> torch.Tensor:
+                            verified: VerifiedSlots | None, cap: int) -> torch.Tensor:
         """`cap` n-gram drafts per sequence of a pure decode step sent with a successor (int64
         [B, cap], on the device): each sequence's context runs to the token after its last
         accepted row (`newest`), whose position is its first row's plus the tokens it accepted."""
         spec = self.config.speculative
         assert self.token_history is not None and spec is not None
-        if verified is None:  # one row per sequence, one token accepted
-            lengths, tables = positions + 2, meta.decode_block_tables
-        else:
-            starts = verified.rows[:, 0]  # each sequence's first row, already on the device
-            lengths = positions[starts] + verified.accepted.long() + 1
-            tables = meta.decode_block_tables[starts]
-        return ngram_device.propose(self.token_history, tables, self.block_size, lengths, newest,
-                                    spec.prompt_lookup_min, spec.prompt_lookup_max, cap)
+        first_rows = None if verified is None else verified.rows[:, 0]  # on the device already
+        return ngram_device.propose_after_step(self.token_history, meta.decode_block_tables, self.block_size,
+                                               positions, first_rows, None if verified is None else verified.accepted,
+                                               newest, spec.prompt_lookup_min, spec.prompt_lookup_max, cap)
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (every rank calls this; rank 0 first releases the

@@ -3,32 +3,13 @@ of speculative verification decided on the device."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from fastdeploy.common.step_slots import StepSlots
 from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.sample.metadata import SamplerOutput
-from fastdeploy.spec_decode.verification import accept_counts
-
-
-@dataclass
-class VerifiedSlots:
-    """A verify step's sampler rows as [B, S] slots, on the device: each slot's sampler row
-    (clamped), whether it is real, the token sampled there, and each sequence's accept count."""
-
-    rows: torch.Tensor  # int64 [B, S]
-    valid: torch.Tensor  # bool [B, S]
-    tokens: torch.Tensor  # int64 [B, S]
-    accepted: torch.Tensor  # int32 [B]
-
-    @property
-    def newest(self) -> torch.Tensor:
-        """int64 [B]: each sequence's last accepted token."""
-        return self.tokens.gather(1, (self.accepted.long() - 1).unsqueeze(1)).squeeze(1)
+from fastdeploy.worker.verify_kernels import VerifiedSlots, verify_rows
 
 
 def step_slots(message_id: int, seq_ids: list[int], slot_drafts: list[list[int]], out: SamplerOutput,
@@ -92,26 +73,17 @@ def verify(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.T
     [B, S] slots with each sequence's accept count, found on the device. `drafted`: int64
     [B, >= S - 1] drafts already on the device (-1 past a sequence's own; drafts made ahead),
     in place of the values of `slot_drafts`, of which only the lengths are read then."""
-    device = sampled.device
-    batch = len(slot_drafts)
-    width = 1 + max(len(d) for d in slot_drafts)
-    starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
-    index = np.full((batch, width), -1, dtype=np.int64)
-    host_drafted = np.full((batch, width - 1), -1, dtype=np.int64)  # -1 never equals a sampled token
-    for b, (start, draft) in enumerate(zip(starts, slot_drafts, strict=True)):
-        index[b, :len(draft) + 1] = np.arange(start, start + len(draft) + 1)
-        if drafted is None:
-            host_drafted[b, :len(draft)] = draft
+    width = max(len(d) for d in slot_drafts)
+    widths = [len(d) for d in slot_drafts]
     if drafted is None:
-        index_d, drafted_d = upload_int64([index, host_drafted], device)
-        drafted_d = drafted_d.view(batch, width - 1)
+        host_drafted = np.full((len(slot_drafts), width), -1, dtype=np.int64)  # -1 never equals a sampled token
+        for b, draft in enumerate(slot_drafts):
+            host_drafted[b, :len(draft)] = draft
+        widths_d, drafted = upload_int64([widths, host_drafted], sampled.device)
+        drafted = drafted.view(len(slot_drafts), width)
     else:
-        index_d, = upload_int64([index], device)
-        drafted_d = drafted[:, :width - 1]
-    index_d = index_d.view(batch, width)
-    rows = index_d.clamp(min=0)
-    tokens = sampled[rows]
-    return VerifiedSlots(rows, index_d >= 0, tokens, accept_counts(tokens, drafted_d))
+        widths_d, = upload_int64([widths], sampled.device)
+    return verify_rows(sampled, widths_d, drafted, width)
 
 
 def _logprob_parts(out: SamplerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -38,6 +38,17 @@ def _case(rng: np.random.Generator, device: torch.device) -> tuple:
         int(rng.integers(1, 6)), contexts
 
 
+def test_lookup_from_a_decode_steps_rows_equals_the_lookup_from_lengths() -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        history, tables, block_size, lengths, newest, min_n, max_n, k, _ = _case(rng, torch.device("cpu"))
+        want = ngram_device.propose(history, tables, block_size, lengths, newest, min_n, max_n, k)
+        step = _as_decode_step(rng, tables, lengths, rng.random() < 0.3)
+        got = ngram_device.propose_after_step(history, step[1], block_size, step[0], step[2], step[3], newest,
+                                              min_n, max_n, k)
+        assert torch.equal(got, want)
+
+
 def test_device_lookup_drafts_what_the_host_proposer_drafts() -> None:
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -49,12 +60,36 @@ def test_device_lookup_drafts_what_the_host_proposer_drafts() -> None:
             assert got[b].tolist() == want + [NO_DRAFT] * (k - len(want)), (context.tolist(), min_n, max_n, k)
 
 
+def _as_decode_step(rng: np.random.Generator, tables: torch.Tensor, lengths: torch.Tensor, one_row: bool) -> tuple:
+    """A decode step holding the case's sequences: (its rows' positions and block tables, each
+    sequence's first row, its accepted tokens) such that its context runs to `lengths`."""
+    batch, device = lengths.shape[0], lengths.device
+    if one_row:  # one row each, one token accepted: the row sits two before the context's end
+        return lengths - 2, tables, None, None
+    accepted = torch.tensor(rng.integers(1, 4, batch), dtype=torch.int32, device=device)
+    num_rows = batch + int(rng.integers(0, 5))
+    first_rows = torch.tensor(rng.permutation(num_rows)[:batch], device=device)
+    positions = torch.tensor(rng.integers(0, 50, num_rows), device=device)
+    positions[first_rows] = lengths - accepted.long() - 1
+    step_tables = torch.tensor(rng.integers(0, 9, (num_rows, tables.shape[1])), device=device)
+    step_tables[first_rows] = tables
+    # A column of the verified slots' rows, as the worker passes it: a strided view.
+    first_rows = torch.stack([first_rows, torch.zeros_like(first_rows)], 1)[:, 0]
+    return positions, step_tables, first_rows, accepted
+
+
 def _kernel_against_tensor_ops(device: torch.device, cases: int) -> None:
     rng = np.random.default_rng(1)
     for _ in range(cases):
         history, tables, block_size, lengths, newest, min_n, max_n, k, _ = _case(rng, device)
         args = (history.tokens, tables, block_size, lengths, newest, min_n, max_n, k)
-        assert torch.equal(ngram_device._propose_triton(*args), ngram_device._propose_torch(*args))
+        want = ngram_device._propose_torch(*args)
+        assert torch.equal(ngram_device._propose_triton(*args), want)
+        # The same lookups from a decode step's rows, their lengths found in the kernel.
+        positions, step_tables, first_rows, accepted = _as_decode_step(rng, tables, lengths, rng.random() < 0.3)
+        got = ngram_device._after_step_triton(history.tokens, step_tables, block_size, positions, first_rows,
+                                              accepted, newest, min_n, max_n, k)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
