@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 _BLOCK = 128
+_NO_DRAFT = tl.constexpr(NO_DRAFT) if triton is not None else NO_DRAFT  # what a kernel may read of it
 
 
 @dataclass
@@ -192,9 +193,9 @@ if triton is not None:
             k = tl.arange(0, WIDTH_P2)
             cell = seq[:, None] & (k[None, :] < WIDTH)
             taken = cell & (k[None, :] < own[:, None])
-            draft = tl.load(Drafts + row[:, None] * drafts_stride + k[None, :], mask=taken, other=NO_DRAFT)
+            draft = tl.load(Drafts + row[:, None] * drafts_stride + k[None, :], mask=taken, other=_NO_DRAFT)
             tl.store(Drafted + b[:, None] * WIDTH + k[None, :], draft, mask=cell)
-            tl.store(Proposed + b, tl.sum((draft != NO_DRAFT).to(tl.int64), 1), mask=seq)
+            tl.store(Proposed + b, tl.sum((draft != _NO_DRAFT).to(tl.int64), 1), mask=seq)
 
     @triton.jit
     def _verify_kernel(Sampled, Widths, batch, Drafted, drafted_stride, Rows, Valid, Tokens, Accepted, Newest,
@@ -208,7 +209,7 @@ if triton is not None:
         valid = s <= own
         rows = tl.where(valid, start + s, 0)
         token = tl.load(Sampled + rows, mask=s < S, other=0)
-        draft = tl.load(Drafted + b * drafted_stride + s, mask=s < own, other=NO_DRAFT)
+        draft = tl.load(Drafted + b * drafted_stride + s, mask=s < own, other=_NO_DRAFT)
         # The accept count: 1 + the drafts before the first disagreement (a slot past the own
         # drafts disagrees).
         disagree = (s < S - 1) & ((s >= own) | (token != draft))
