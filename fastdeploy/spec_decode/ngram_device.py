@@ -67,6 +67,16 @@ def propose_after_step(history: TokenHistory, block_tables: torch.Tensor, block_
     return _propose_torch(history.tokens, tables, block_size, lengths, newest, min_n, max_n, num_drafts)
 
 
+def warm_up(history: TokenHistory, min_n: int, max_n: int) -> None:
+    """Runs the lookup once per variant a step can take (sequences of one row, and of a verify
+    step's runs), so that it does not compile while a step waits on it."""
+    device = history.tokens.device
+    tables, positions = torch.zeros(1, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long,
+                                                                                         device=device)
+    for rows, accepted in ((None, None), (positions, torch.ones(1, dtype=torch.int32, device=device))):
+        propose_after_step(history, tables, 1, positions, rows, accepted, positions, min_n, max_n, 1)
+
+
 def _after_step_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_size: int, positions: torch.Tensor,
                        first_rows: torch.Tensor | None, accepted: torch.Tensor | None, newest: torch.Tensor,
                        min_n: int, max_n: int, num_drafts: int) -> torch.Tensor:
@@ -75,11 +85,10 @@ def _after_step_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_s
     if batch:  # unused pointers get a tensor of the right kind; the constexpr flags keep them unread
         _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0),
                                 first_rows if first_rows is not None else positions,
-                                first_rows.stride(0) if first_rows is not None else 1, positions,
-                                accepted if accepted is not None else positions, positions, newest, out,
-                                block_size, MIN_N=min_n, MAX_N=max_n, K=num_drafts,
-                                K_P2=triton.next_power_of_2(num_drafts), BLOCK=256, FROM_STEP=True,
-                                HAS_ROWS=first_rows is not None)
+                                first_rows.stride(0) if first_rows is not None else 1, int(first_rows is not None),
+                                positions, accepted if accepted is not None else positions, positions, newest, out,
+                                block_size, num_drafts, MIN_N=min_n, MAX_N=max_n, K_P2=_padded(num_drafts),
+                                BLOCK=256, FROM_STEP=True)
     return out
 
 
@@ -116,10 +125,16 @@ def _propose_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_size
     batch = lengths.shape[0]
     out = torch.empty(batch, num_drafts, dtype=torch.long, device=tokens.device)
     if batch:
-        _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0), lengths, 1, lengths, lengths, lengths,
-                                newest, out, block_size, MIN_N=min_n, MAX_N=max_n, K=num_drafts,
-                                K_P2=triton.next_power_of_2(num_drafts), BLOCK=256, FROM_STEP=False, HAS_ROWS=False)
+        _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0), lengths, 1, 0, lengths, lengths,
+                                lengths, newest, out, block_size, num_drafts, MIN_N=min_n, MAX_N=max_n,
+                                K_P2=_padded(num_drafts), BLOCK=256, FROM_STEP=False)
     return out
+
+
+def _padded(num_drafts: int) -> int:
+    """The kernel's block over the drafts: one size for every cap up to 8, so a step's changing
+    cap does not compile the kernel again mid-serving."""
+    return max(8, triton.next_power_of_2(num_drafts))
 
 
 if triton is not None:
@@ -131,14 +146,14 @@ if triton is not None:
         token = tl.load(tokens + block * block_size + pos % block_size)
         return tl.where(pos == length - 1, newest, token)
 
-    @triton.jit
-    def _ngram_kernel(Tokens, Tables, table_stride, FirstRows, rows_stride, Positions, Accepted, Lengths, Newest, Out,
-                      block_size,
-                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
-                      BLOCK: tl.constexpr, FROM_STEP: tl.constexpr, HAS_ROWS: tl.constexpr):  # fmt: skip
+    # Sizes and strides change from step to step; specialising on them would compile again.
+    @triton.jit(do_not_specialize=["table_stride", "rows_stride", "has_rows", "block_size", "num_drafts"])
+    def _ngram_kernel(Tokens, Tables, table_stride, FirstRows, rows_stride, has_rows, Positions, Accepted, Lengths,
+                      Newest, Out, block_size, num_drafts, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
+                      K_P2: tl.constexpr, BLOCK: tl.constexpr, FROM_STEP: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         if FROM_STEP:  # `propose_after_step`: the sequence's first row and its accepted tokens
-            if HAS_ROWS:
+            if has_rows != 0:
                 row = tl.load(FirstRows + b * rows_stride)
                 length = tl.load(Positions + row) + tl.load(Accepted + b).to(tl.int64) + 1
             else:
@@ -164,6 +179,6 @@ if triton is not None:
             start = tl.where(hit >= 0, hit + n, start)
         k = tl.arange(0, K_P2)
         at = start + k
-        taken = (start >= 0) & (at < length) & (k < K)
+        taken = (start >= 0) & (at < length) & (k < num_drafts)
         token = _token_at(Tokens, table, tl.where(taken, at, 0), length, newest, block_size)
-        tl.store(Out + b * K + k, tl.where(taken, token, -1), mask=k < K)
+        tl.store(Out + b * num_drafts + k, tl.where(taken, token, -1), mask=k < num_drafts)

@@ -37,7 +37,7 @@ from fastdeploy.ops.step_packer import PackedStep, StepPacker, choose_packer
 from fastdeploy.spec_decode import ngram_device
 from fastdeploy.spec_decode.guided_drafts import trim_drafts_to_grammar
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
-from fastdeploy.worker import input_prep, slot_layout
+from fastdeploy.worker import input_prep, slot_layout, verify_kernels
 from fastdeploy.worker.graph_capture import DecodeShape, capture_decode_graphs, uses_graphs
 from fastdeploy.worker.guided_runtime import GuidedRuntime
 from fastdeploy.worker.in_flight_step import InFlightStep, QueuedSampling, SampledTokens
@@ -120,6 +120,12 @@ class ModelRunner:
             with times.phase("MTP head"):
                 self.mtp = MTPStep(config, self.model, self.model_config, self.dtype, self.device, self.num_blocks,
                                    shape, use_graphs, self.cuda_graphs)
+        if spec is not None and self.device.type == "cuda":
+            # Compiled now (or read from Triton's cache), not at a verify step's launch mid-serving.
+            with times.phase("speculation kernels"):
+                verify_kernels.warm_up(self.device)
+                if self.token_history is not None:
+                    ngram_device.warm_up(self.token_history, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.sequences: dict[int, WorkerSequence] = {}
         # Asynchronous scheduling: the last step's sampled tokens (a step scheduled ahead of its
         # frame reads its in-flight tokens there), steps launched so far, the latest of them,

@@ -3,6 +3,8 @@ of speculative verification decided on the device."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -75,15 +77,16 @@ def verify(slot_drafts: list[list[int]], sampled: torch.Tensor, drafted: torch.T
     in place of the values of `slot_drafts`, of which only the lengths are read then."""
     width = max(len(d) for d in slot_drafts)
     widths = [len(d) for d in slot_drafts]
+    starts = list(itertools.accumulate((w + 1 for w in widths), initial=0))[:-1]
     if drafted is None:
         host_drafted = np.full((len(slot_drafts), width), -1, dtype=np.int64)  # -1 never equals a sampled token
         for b, draft in enumerate(slot_drafts):
             host_drafted[b, :len(draft)] = draft
-        widths_d, drafted = upload_int64([widths, host_drafted], sampled.device)
+        starts_d, widths_d, drafted = upload_int64([starts, widths, host_drafted], sampled.device)
         drafted = drafted.view(len(slot_drafts), width)
     else:
-        widths_d, = upload_int64([widths], sampled.device)
-    return verify_rows(sampled, widths_d, drafted, width)
+        starts_d, widths_d = upload_int64([starts, widths], sampled.device)
+    return verify_rows(sampled, starts_d, widths_d, drafted, width)
 
 
 def _logprob_parts(out: SamplerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -9,6 +9,7 @@ program grid instead. The tensor versions stay as the reference and run on other
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -94,15 +95,14 @@ def _place_triton(rows: PlacedRows, tokens: torch.Tensor, drafts: torch.Tensor |
         drafted = torch.empty(batch, width, dtype=torch.long, device=tokens.device)
         proposed = torch.empty(batch, dtype=torch.long, device=tokens.device)
     grid = (triton.cdiv(max(num_rows, batch if width else 0, 1), _BLOCK),)
-    # Unused pointers get a tensor of the right kind; the constexpr flags keep them unread.
+    # Unused pointers get a tensor of the right kind; the flags keep them unread.
     _place_kernel[grid](
         rows.flat, rows.source, rows.offset, rows.sampler_rows, rows.sampler_widths, num_rows, batch,
         tokens, drafts if drafts is not None else tokens, 0 if drafts is None else drafts.stride(0),
-        0 if drafts is None else drafts.shape[1], advance if advance is not None else tokens,
+        0 if drafts is None else drafts.shape[1], advance if advance is not None else tokens, int(advance is not None),
         input_ids, positions, context_lens, block_tables, block_tables.stride(0), slot_mapping, block_size,
-        drafted if drafted is not None else tokens, proposed if proposed is not None else tokens,
-        WIDTH=width, WIDTH_P2=triton.next_power_of_2(max(width, 1)), HAS_ADVANCE=advance is not None,
-        BLOCK=_BLOCK)
+        drafted if drafted is not None else tokens, proposed if proposed is not None else tokens, width,
+        WIDTH_P2=_padded(width), BLOCK=_BLOCK)
     return drafted, proposed
 
 
@@ -121,19 +121,20 @@ class VerifiedSlots:
     advance: torch.Tensor  # int64 [B]
 
 
-def verify_rows(sampled: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor, width: int) -> VerifiedSlots:
-    """The sampler's rows (`sampled`, int64: each sequence's 1 + widths[b] slots one after
-    another) as [B, width + 1] slots, with each sequence's accept count: its drafts (`drafted`,
-    int64 [B, >= width]) up to the first its own sample disagrees with, plus that sample."""
+def verify_rows(sampled: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor,
+                width: int) -> VerifiedSlots:
+    """The sampler's rows (`sampled`, int64: sequence b's 1 + widths[b] slots from row
+    starts[b]) as [B, width + 1] slots, with each sequence's accept count: its drafts
+    (`drafted`, int64 [B, >= width]) up to the first its own sample disagrees with, plus that
+    sample."""
     if triton is not None and sampled.is_cuda:
-        return _verify_triton(sampled, widths, drafted, width)
-    return _verify_torch(sampled, widths, drafted, width)
+        return _verify_triton(sampled, starts, widths, drafted, width)
+    return _verify_torch(sampled, starts, widths, drafted, width)
 
 
-def _verify_torch(sampled: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor, width: int) -> VerifiedSlots:
+def _verify_torch(sampled: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor,
+                  width: int) -> VerifiedSlots:
     device = sampled.device
-    runs = widths + 1
-    starts = runs.cumsum(0) - runs
     slot = torch.arange(width + 1, device=device)
     valid = slot <= widths.unsqueeze(1)
     rows = torch.where(valid, starts.unsqueeze(1) + slot, 0)
@@ -143,7 +144,8 @@ def _verify_torch(sampled: torch.Tensor, widths: torch.Tensor, drafted: torch.Te
     return VerifiedSlots(rows, valid, tokens, accepted, newest, accepted.long() - 1)
 
 
-def _verify_triton(sampled: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor, width: int) -> VerifiedSlots:
+def _verify_triton(sampled: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor,
+                   width: int) -> VerifiedSlots:
     batch, device = widths.shape[0], sampled.device
     rows = torch.empty(batch, width + 1, dtype=torch.long, device=device)
     valid = torch.empty(batch, width + 1, dtype=torch.bool, device=device)
@@ -152,58 +154,75 @@ def _verify_triton(sampled: torch.Tensor, widths: torch.Tensor, drafted: torch.T
     newest = torch.empty(batch, dtype=torch.long, device=device)
     advance = torch.empty(batch, dtype=torch.long, device=device)
     if batch:
-        _verify_kernel[(batch,)](sampled, widths, batch, drafted, drafted.stride(0), rows, valid, tokens, accepted,
-                                 newest, advance, S=width + 1, S_P2=triton.next_power_of_2(width + 1),
-                                 B_P2=triton.next_power_of_2(batch))
+        _verify_kernel[(batch,)](sampled, starts, widths, drafted, drafted.stride(0), rows, valid, tokens, accepted,
+                                 newest, advance, width + 1, S_P2=_padded(width + 1))
     return VerifiedSlots(rows, valid, tokens, accepted, newest, advance)
+
+
+def warm_up(device: torch.device) -> None:
+    """Runs each kernel once on a tiny step (the variants a step can take: with and without a
+    predecessor's advance), so that none compiles while a step waits on it."""
+    long = functools.partial(torch.zeros, dtype=torch.long, device=device)
+    rows = PlacedRows(long(2), long(2), torch.tensor([0, 1], device=device), long(1), torch.ones(1, dtype=torch.long,
+                                                                                              device=device))
+    for advance in (None, long(1)):
+        place_rows(rows, long(1), long(1, 1), advance, long(2), long(2), long(2), long(2, 1), long(2), 16, 1)
+    verify_rows(long(2), long(1), torch.ones(1, dtype=torch.long, device=device), long(1, 1), 1)
+
+
+def _padded(width: int) -> int:
+    """The kernels' block over a sequence's slots: one size for every width up to 8, so a step's
+    changing width does not compile a kernel again mid-serving."""
+    return max(8, triton.next_power_of_2(width))
+
+
+# Sizes and strides change from step to step; specialising on them would compile again.
+_VARYING = {"do_not_specialize": ["num_rows", "batch", "drafts_stride", "drafts_cols", "has_advance", "table_stride",
+                                  "block_size", "width"]}
 
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(**_VARYING)
     def _place_kernel(Flat, Source, Offset, SamplerRows, SamplerWidths, num_rows, batch,
-                      Tokens, Drafts, drafts_stride, drafts_cols, Advance,
+                      Tokens, Drafts, drafts_stride, drafts_cols, Advance, has_advance,
                       InputIds, Positions, ContextLens, Tables, table_stride, SlotMapping, block_size,
-                      Drafted, Proposed,
-                      WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr, HAS_ADVANCE: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
+                      Drafted, Proposed, width, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < num_rows
         flat = tl.load(Flat + i, mask=live, other=0)
         source = tl.load(Source + i, mask=live, other=0)
         token = tl.load(Tokens + source, mask=live, other=0)
-        if WIDTH > 0:
+        if width > 0:
             offset = tl.load(Offset + i, mask=live, other=0)
             col = tl.minimum(tl.maximum(offset - 1, 0), drafts_cols - 1)
             draft = tl.load(Drafts + source * drafts_stride + col, mask=live & (offset > 0), other=0)
             token = tl.where(offset > 0, draft, token)
         tl.store(InputIds + flat, tl.maximum(token, 0), mask=live)
-        if HAS_ADVANCE:
+        if has_advance != 0:
             advance = tl.load(Advance + source, mask=live, other=0)
             moved = tl.load(Positions + flat, mask=live, other=0) + advance
             tl.store(Positions + flat, moved, mask=live)
             tl.store(ContextLens + flat, tl.load(ContextLens + flat, mask=live, other=0) + advance, mask=live)
             block = tl.load(Tables + flat * table_stride + moved // block_size, mask=live, other=0)
             tl.store(SlotMapping + flat, block * block_size + moved % block_size, mask=live)
-        if WIDTH > 0:
+        if width > 0:
             b = i
             seq = b < batch
             row = tl.load(SamplerRows + b, mask=seq, other=0)
             own = tl.load(SamplerWidths + b, mask=seq, other=0)
             k = tl.arange(0, WIDTH_P2)
-            cell = seq[:, None] & (k[None, :] < WIDTH)
+            cell = seq[:, None] & (k[None, :] < width)
             taken = cell & (k[None, :] < own[:, None])
             draft = tl.load(Drafts + row[:, None] * drafts_stride + k[None, :], mask=taken, other=_NO_DRAFT)
-            tl.store(Drafted + b[:, None] * WIDTH + k[None, :], draft, mask=cell)
+            tl.store(Drafted + b[:, None] * width + k[None, :], draft, mask=cell)
             tl.store(Proposed + b, tl.sum((draft != _NO_DRAFT).to(tl.int64), 1), mask=seq)
 
-    @triton.jit
-    def _verify_kernel(Sampled, Widths, batch, Drafted, drafted_stride, Rows, Valid, Tokens, Accepted, Newest,
-                       Advance, S: tl.constexpr, S_P2: tl.constexpr, B_P2: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=["drafted_stride", "S"])
+    def _verify_kernel(Sampled, Starts, Widths, Drafted, drafted_stride, Rows, Valid, Tokens, Accepted, Newest,
+                       Advance, S, S_P2: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
-        before = tl.arange(0, B_P2)
-        runs = tl.load(Widths + before, mask=before < b, other=-1) + 1  # sequences before b: their slots
-        start = tl.sum(runs, 0)
+        start = tl.load(Starts + b)
         own = tl.load(Widths + b)
         s = tl.arange(0, S_P2)
         valid = s <= own

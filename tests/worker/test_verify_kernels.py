@@ -78,19 +78,20 @@ def _verify_case(rng: np.random.Generator, device: torch.device) -> tuple:
     sampled = torch.tensor(rng.integers(0, vocab, int((widths + 1).sum())), device=device)
     drafted = rng.integers(0, vocab, (batch, width + int(rng.integers(0, 2))))
     drafted[np.arange(drafted.shape[1]) >= widths[:, None]] = NO_DRAFT
-    return sampled, torch.tensor(widths, device=device), torch.tensor(drafted, device=device), width
+    starts = np.cumsum(widths + 1) - (widths + 1)
+    return sampled, torch.tensor(starts, device=device), torch.tensor(widths, device=device), \
+        torch.tensor(drafted, device=device), width
 
 
 def test_tensor_verification_follows_the_host_rule() -> None:
     rng = np.random.default_rng(0)
     for _ in range(200):
-        sampled, widths, drafted, width = _verify_case(rng, torch.device("cpu"))
-        got = verify_kernels._verify_torch(sampled, widths, drafted, width)
+        sampled, starts, widths, drafted, width = _verify_case(rng, torch.device("cpu"))
+        got = verify_kernels._verify_torch(sampled, starts, widths, drafted, width)
         drafts = [drafted[b, :int(w)].tolist() for b, w in enumerate(widths)]
         counts = accepted_counts(sampled.tolist(), drafts)
         assert got.accepted.tolist() == counts
-        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
-        assert got.newest.tolist() == [int(sampled[s + c - 1]) for s, c in zip(starts, counts, strict=False)]
+        assert got.newest.tolist() == [int(sampled[s + c - 1]) for s, c in zip(starts.tolist(), counts, strict=True)]
         assert got.advance.tolist() == [c - 1 for c in counts]
         assert got.valid.sum().item() == sampled.numel()
         assert torch.equal(got.tokens[got.valid], sampled)
@@ -107,9 +108,9 @@ def _kernels_against_tensor_ops(device: torch.device, cases: int) -> None:
             assert (w is None and g is None) or torch.equal(w, g)
         for w, g in zip(want_case[4:9], got_case[4:9], strict=True):  # the step's inputs, written in place
             assert torch.equal(w, g)
-        sampled, widths, drafted, width = _verify_case(rng, device)
-        want_v = verify_kernels._verify_torch(sampled, widths, drafted, width)
-        got_v = verify_kernels._verify_triton(sampled, widths, drafted, width)
+        verify_case = _verify_case(rng, device)
+        want_v = verify_kernels._verify_torch(*verify_case)
+        got_v = verify_kernels._verify_triton(*verify_case)
         for field in ("rows", "valid", "tokens", "accepted", "newest", "advance"):
             assert torch.equal(getattr(want_v, field), getattr(got_v, field)), field
 
