@@ -87,7 +87,7 @@ def _after_step_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_s
                                 first_rows if first_rows is not None else positions,
                                 first_rows.stride(0) if first_rows is not None else 1, int(first_rows is not None),
                                 positions, accepted if accepted is not None else positions, positions, newest, out,
-                                block_size, num_drafts, MIN_N=min_n, MAX_N=max_n, K_P2=_padded(num_drafts),
+                                block_size, num_drafts, MIN_N=min_n, MAX_N=max_n, K_P2=slot_block(num_drafts),
                                 BLOCK=256, FROM_STEP=True)
     return out
 
@@ -127,14 +127,14 @@ def _propose_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_size
     if batch:
         _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0), lengths, 1, 0, lengths, lengths,
                                 lengths, newest, out, block_size, num_drafts, MIN_N=min_n, MAX_N=max_n,
-                                K_P2=_padded(num_drafts), BLOCK=256, FROM_STEP=False)
+                                K_P2=slot_block(num_drafts), BLOCK=256, FROM_STEP=False)
     return out
 
 
-def _padded(num_drafts: int) -> int:
-    """The kernel's block over the drafts: one size for every cap up to 8, so a step's changing
-    cap does not compile the kernel again mid-serving."""
-    return max(8, triton.next_power_of_2(num_drafts))
+def slot_block(width: int) -> int:
+    """A speculation kernel's block over a sequence's drafts or slots: one size for every width up
+    to 8, so a step's changing cap does not compile a kernel again mid-serving."""
+    return max(8, triton.next_power_of_2(width))
 
 
 if triton is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdeploy.spec_decode.ngram_device import NO_DRAFT
+from fastdeploy.spec_decode.ngram_device import NO_DRAFT, slot_block
 from fastdeploy.spec_decode.verification import accept_counts
 
 try:  # pragma: no cover - only on machines with triton
@@ -102,7 +102,7 @@ def _place_triton(rows: PlacedRows, tokens: torch.Tensor, drafts: torch.Tensor |
         0 if drafts is None else drafts.shape[1], advance if advance is not None else tokens, int(advance is not None),
         input_ids, positions, context_lens, block_tables, block_tables.stride(0), slot_mapping, block_size,
         drafted if drafted is not None else tokens, proposed if proposed is not None else tokens, width,
-        WIDTH_P2=_padded(width), BLOCK=_BLOCK)
+        WIDTH_P2=slot_block(width), BLOCK=_BLOCK)
     return drafted, proposed
 
 
@@ -155,7 +155,7 @@ def _verify_triton(sampled: torch.Tensor, starts: torch.Tensor, widths: torch.Te
     advance = torch.empty(batch, dtype=torch.long, device=device)
     if batch:
         _verify_kernel[(batch,)](sampled, starts, widths, drafted, drafted.stride(0), rows, valid, tokens, accepted,
-                                 newest, advance, width + 1, S_P2=_padded(width + 1))
+                                 newest, advance, width + 1, S_P2=slot_block(width + 1))
     return VerifiedSlots(rows, valid, tokens, accepted, newest, advance)
 
 
@@ -168,12 +168,6 @@ def warm_up(device: torch.device) -> None:
     for advance in (None, long(1)):
         place_rows(rows, long(1), long(1, 1), advance, long(2), long(2), long(2), long(2, 1), long(2), 16, 1)
     verify_rows(long(2), long(1), torch.ones(1, dtype=torch.long, device=device), long(1, 1), 1)
-
-
-def _padded(width: int) -> int:
-    """The kernels' block over a sequence's slots: one size for every width up to 8, so a step's
-    changing width does not compile a kernel again mid-serving."""
-    return max(8, triton.next_power_of_2(width))
 
 
 # Sizes and strides change from step to step; specialising on them would compile again.

@@ -4,10 +4,6 @@ kernel equals the tensor version (on the GPU, and on the CPU under Triton's inte
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +11,7 @@ import torch
 from fastdeploy.spec_decode import ngram_device
 from fastdeploy.spec_decode.ngram_device import NO_DRAFT, TokenHistory
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
+from tests.triton_interpreter import run_under_interpreter
 
 
 def _case(rng: np.random.Generator, device: torch.device) -> tuple:
@@ -110,9 +107,4 @@ def test_kernel_under_the_triton_interpreter() -> None:
     kernel is defined). Not where there is one: the interpreter's scalars differ across Triton
     releases (3.9's run this kernel; the GPU machine's could not), and the compiled kernel is
     tested there."""
-    pytest.importorskip("triton")
-    code = ("import torch; from tests.spec_decode.test_ngram_device import _kernel_against_tensor_ops; "
-            "_kernel_against_tensor_ops(torch.device('cpu'), 12)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_under_interpreter("tests.spec_decode.test_ngram_device", "_kernel_against_tensor_ops", 12)

@@ -5,10 +5,6 @@ verification equals the host's rule (`accepted_counts`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +13,7 @@ from fastdeploy.spec_decode.ngram_device import NO_DRAFT
 from fastdeploy.spec_decode.verification import accepted_counts
 from fastdeploy.worker import verify_kernels
 from fastdeploy.worker.verify_kernels import PlacedRows
+from tests.triton_interpreter import run_under_interpreter
 
 
 def _place_case(rng: np.random.Generator, device: torch.device) -> tuple:
@@ -125,9 +122,4 @@ def test_cuda_kernels_equal_the_tensor_versions() -> None:
 def test_kernels_under_the_triton_interpreter() -> None:
     """The kernels' logic where there is no GPU, run by Triton's interpreter (set before the
     kernels are defined)."""
-    pytest.importorskip("triton")
-    code = ("import torch; from tests.worker.test_verify_kernels import _kernels_against_tensor_ops; "
-            "_kernels_against_tensor_ops(torch.device('cpu'), 40)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_under_interpreter("tests.worker.test_verify_kernels", "_kernels_against_tensor_ops", 40)
