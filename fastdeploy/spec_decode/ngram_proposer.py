@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -17,16 +16,23 @@ class NgramProposer:
         Longer suffixes are tried first (a longer match predicts better); among matches of
         one length the most recent wins, since text that repeats tends to repeat its
         latest form. `context` is int64 [L] (prompt + output).
+
+        Every earlier match ends at an earlier occurrence of the newest token, so only those
+        places are compared (backwards, up to `max_n` tokens each): one pass over the context
+        finds them, where a scan per suffix length would compare every window.
         """
         length = len(context)
-        if max_drafts <= 0:
+        if max_drafts <= 0 or length < 2:
             return []
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = context[length - n:]
-            # Windows that end before the suffix itself starts.
-            windows = sliding_window_view(context[: length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return context[start: start + max_drafts].tolist()
-        return []
+        ends = np.flatnonzero(context[: length - 1] == context[length - 1])
+        if ends.size == 0:
+            return []
+        back = np.arange(min(self.max_n, length - 1))
+        earlier = ends[:, None] - back
+        agree = (earlier >= 0) & (context[np.maximum(earlier, 0)] == context[length - 1 - back])
+        matched = agree.cumprod(axis=1).sum(axis=1)  # each place's suffix match, in tokens
+        longest = int(matched.max())
+        if longest < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
+        return context[start: start + max_drafts].tolist()

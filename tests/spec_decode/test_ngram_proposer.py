@@ -1,4 +1,5 @@
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from fastdeploy.spec_decode.ngram_proposer import NgramProposer
 from fastdeploy.spec_decode.verification import accepted_counts
@@ -26,6 +27,31 @@ def test_no_match_or_no_room_proposes_nothing():
 def test_draft_stops_at_the_end_of_the_context():
     # The match's continuation runs into the end of the context: fewer drafts than asked.
     assert NgramProposer(2, 2).propose(_ids("xyzxy"), 5) == [ord("z"), ord("x"), ord("y")]
+
+
+def _scan_every_window(context: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
+    """The rule written out: for each suffix length, longest first, compare it with every
+    earlier window of that length; the latest match's continuation."""
+    length = len(context)
+    if max_drafts <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(context[: length - 1], n) == context[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return context[start: start + max_drafts].tolist()
+    return []
+
+
+def test_lookup_equals_a_scan_of_every_window():
+    rng = np.random.default_rng(0)
+    for _ in range(5000):
+        context = rng.integers(0, int(rng.choice([2, 3, 5, 50])), int(rng.integers(1, 60)))
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 7))
+        k = int(rng.integers(0, 6))
+        assert NgramProposer(min_n, max_n).propose(context, k) == _scan_every_window(context, min_n, max_n, k), \
+            (context.tolist(), min_n, max_n, k)
 
 
 def test_accepted_counts_prefix_plus_one():
