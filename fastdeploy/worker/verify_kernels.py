@@ -2,7 +2,7 @@
 
 A step launched before its predecessor's frame places that step's tokens (and drafts) into its
 own inputs on the device, and after sampling finds each sequence's accept count there. As
-tensor operations these are some forty small launches a step, and at a small model's step
+tensor operations these are about fifty small launches a step, and at a small model's step
 (about a millisecond) their host cost is the step's largest part; on CUDA each is one Triton
 program grid instead. The tensor versions stay as the reference and run on other devices.
 """
