@@ -282,8 +282,6 @@ class EngineCore:
         far as that step's rows and what is drafted after it may reach."""
         if not self._drafts_ahead:
             return False
-        spec = self.config.speculative
-        assert spec is not None
         beyond = self.scheduler.num_draft_model_slots
         bs = self.block_manager.block_size
         for chunk in plan.chunks:

@@ -53,9 +53,10 @@ def propose_after_step(history: TokenHistory, block_tables: torch.Tensor, block_
                        first_rows: torch.Tensor | None, accepted: torch.Tensor | None, newest: torch.Tensor,
                        min_n: int, max_n: int, num_drafts: int) -> torch.Tensor:
     """`propose` for the sequences of a pure decode step (`positions` and `block_tables`: its
-    rows'): sequence b's first row is `first_rows[b]` (a view may be strided; None: row b, one row each) and its context
-    runs to the token after its last accepted row, positions[first row] + accepted[b] + 1 tokens
-    (`accepted` None: one each). On CUDA the lengths are found in the lookup's own launch."""
+    rows'): sequence b's first row is `first_rows[b]` (a view may be strided; None: row b, one
+    row each) and its context runs to the token after its last accepted row, positions[first
+    row] + accepted[b] + 1 tokens (`accepted` None: one each). On CUDA the lengths are found in
+    the lookup's own launch."""
     if triton is not None and history.tokens.is_cuda:
         return _after_step_triton(history.tokens, block_tables, block_size, positions, first_rows, accepted, newest,
                                   min_n, max_n, num_drafts)
@@ -82,7 +83,7 @@ def _after_step_triton(tokens: torch.Tensor, block_tables: torch.Tensor, block_s
                        min_n: int, max_n: int, num_drafts: int) -> torch.Tensor:
     batch = newest.shape[0]
     out = torch.empty(batch, num_drafts, dtype=torch.long, device=newest.device)
-    if batch:  # unused pointers get a tensor of the right kind; the constexpr flags keep them unread
+    if batch:  # unused pointers get a tensor of the right kind; the flags keep them unread
         _ngram_kernel[(batch,)](tokens, block_tables, block_tables.stride(0),
                                 first_rows if first_rows is not None else positions,
                                 first_rows.stride(0) if first_rows is not None else 1, int(first_rows is not None),

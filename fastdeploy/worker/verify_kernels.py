@@ -75,9 +75,10 @@ def _place_torch(rows: PlacedRows, tokens: torch.Tensor, drafts: torch.Tensor | 
     # the step run again); clamped so the embedding never reads outside the table.
     input_ids[flat] = row_tokens.clamp(min=0)
     if advance is not None:
-        moved = positions[flat] + advance[source]
+        row_advance = advance[source]
+        moved = positions[flat] + row_advance
         positions[flat] = moved
-        context_lens[flat] += advance[source]
+        context_lens[flat] += row_advance
         tables = block_tables[flat]
         slot_mapping[flat] = tables.gather(1, (moved // block_size).unsqueeze(1)).squeeze(1) * block_size \
             + moved % block_size
@@ -140,8 +141,9 @@ def _verify_torch(sampled: torch.Tensor, starts: torch.Tensor, widths: torch.Ten
     rows = torch.where(valid, starts.unsqueeze(1) + slot, 0)
     tokens = sampled[rows]
     accepted = accept_counts(tokens, torch.where(slot[:-1] < widths.unsqueeze(1), drafted[:, :width], NO_DRAFT))
-    newest = tokens.gather(1, (accepted.long() - 1).unsqueeze(1)).squeeze(1)
-    return VerifiedSlots(rows, valid, tokens, accepted, newest, accepted.long() - 1)
+    advance = accepted.long() - 1
+    newest = tokens.gather(1, advance.unsqueeze(1)).squeeze(1)
+    return VerifiedSlots(rows, valid, tokens, accepted, newest, advance)
 
 
 def _verify_triton(sampled: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, drafted: torch.Tensor,
