@@ -15,12 +15,11 @@ gathers the others' shares, for larger ones): 7-15 us a call on two H200s
 
 A row-parallel layer followed by a residual add and an RMSNorm (o_proj and down_proj of a
 decoder layer) can skip the all-reduce: `row_parallel_linear` computes the rank's product
-straight into a slot of the symmetric buffer and returns a `PendingSum`; the norm that consumes
-it (`sum_add_rms_norm`) waits on one barrier, then reads every rank's slot in the same kernel
-that adds the residual and normalises. That saves, per call, the copies in and out, the
-all-reduce kernel's second barrier and the separate norm kernel. Two slots alternate (attention
-and MLP): a rank rewrites a slot only after the next barrier, which its peers pass only once
-they have finished reading it.
+straight into its region of a symmetric-memory inbox and returns a `PendingSum`; the norm that
+consumes it (`sum_add_rms_norm`) writes that product into every peer's inbox and waits for theirs
+in the same kernel that sums, adds the residual and normalises (sum_norm_kernel.py: the data is
+its own ready flag, no barrier). That saves, per call, the copies in and out, the all-reduce's
+barriers and the separate norm kernel. Two inboxes alternate (attention and MLP).
 """
 
 from __future__ import annotations
@@ -37,10 +36,14 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
+# PyTorch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 # The symmetric buffer's size: covers the decode steps of the bundled 8B shapes (hidden 4096,
 # bf16: 1,024 rows); prefill chunks beyond it use NCCL, whose bandwidth wins there anyway.
-# The buffer holds three regions of this size: the all-reduce's and the two `PendingSum` slots.
+# The buffer holds the all-reduce's region of this size, then the two `PendingSum` inboxes, each
+# one region per rank (a rank's own region holds its product, the others what its peers sent).
 SYMMETRIC_BUFFER_BYTES = 8 * 1024 * 1024
 PENDING_SLOTS = 2
 # Up to this size one kernel reads every peer's whole message (fewest steps); above it the two-shot
@@ -56,11 +59,20 @@ class SymmetricAllReduce:
     def __init__(self, device: torch.device, group: dist.ProcessGroup) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from fastdeploy.distributed.sum_norm_kernel import INBOX_FILL_INT16
+
         self.group_name = group.group_name
-        self.buffer = symm_mem.empty((1 + PENDING_SLOTS) * SYMMETRIC_BUFFER_BYTES, dtype=torch.uint8, device=device)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.buffer = symm_mem.empty((1 + PENDING_SLOTS * self.world) * SYMMETRIC_BUFFER_BYTES, dtype=torch.uint8,
+                                     device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
-        # Every rank's buffer address, for the kernel that reads the peers' slots.
+        # Every rank's buffer address, for the kernel that writes into the peers' inboxes.
         self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        # Inboxes start empty on every rank before any rank can send into them.
+        self.buffer[SYMMETRIC_BUFFER_BYTES:].view(torch.int16).fill_(INBOX_FILL_INT16)
+        self.handle.barrier(channel=0)
+        torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.is_contiguous() and x.dtype in SUMMED_DTYPES
@@ -76,28 +88,32 @@ class SymmetricAllReduce:
         # Back into x: the buffer is the next all-reduce's, and callers keep the result past it.
         return x.copy_(staged.view_as(x))
 
+    def _inbox_start(self, index: int) -> int:
+        """Byte offset of `PendingSum` inbox `index` (its first rank's region) in the buffer."""
+        return (1 + index * self.world) * SYMMETRIC_BUFFER_BYTES
+
     def slot(self, index: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
-        """This rank's `PendingSum` slot `index` as a [rows, cols] tensor; None where it does not fit."""
+        """This rank's region of `PendingSum` inbox `index` as a [rows, cols] tensor; None where it does not fit."""
         nbytes = shape[0] * shape[1] * dtype.itemsize
         if dtype not in SUMMED_DTYPES or nbytes > SYMMETRIC_BUFFER_BYTES:
             return None
-        start = (1 + index) * SYMMETRIC_BUFFER_BYTES
+        start = self._inbox_start(index) + self.rank * SYMMETRIC_BUFFER_BYTES
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
 
     def sum_add_rms_norm(self, pending: PendingSum, residual: torch.Tensor, weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from fastdeploy.distributed.sum_norm_kernel import sum_add_rms_norm
+        from fastdeploy.distributed.sum_norm_kernel import exchange_sum_add_rms_norm
 
-        self.handle.barrier(channel=0)  # every rank's product is in its slot
-        offset = (1 + pending.slot) * SYMMETRIC_BUFFER_BYTES // pending.partial.element_size()
-        return sum_add_rms_norm(self.buffers, offset, (pending.partial.shape[0], pending.partial.shape[1]),
-                                residual, weight, eps)
+        size = pending.partial.element_size()
+        return exchange_sum_add_rms_norm(
+            self.buffers, self.rank, self._inbox_start(pending.slot) // size, SYMMETRIC_BUFFER_BYTES // size,
+            (pending.partial.shape[0], pending.partial.shape[1]), residual, weight, eps)
 
 
 @dataclass
 class PendingSum:
-    """This rank's partial product of a row-parallel layer, in its symmetric-memory slot; the sum
-    over ranks is taken by the norm that consumes it (`sum_add_rms_norm`)."""
+    """This rank's partial product of a row-parallel layer, in its region of symmetric-memory inbox
+    `slot`; the sum over ranks is taken by the norm that consumes it (`sum_add_rms_norm`)."""
 
     partial: torch.Tensor
     slot: int
@@ -208,9 +224,12 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's shard along the last dimension (vocabulary-parallel logits)."""
     if _STATE.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    # One collective into one tensor, [ranks * rows, cols], then one copy into [rows, ranks * cols]
+    # (a list of outputs costs a copy per rank and the concatenation another).
+    stacked = torch.empty((_STATE.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _gather_into(stacked, x)
+    return stacked.view(_STATE.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
 def broadcast_from_first(x: torch.Tensor) -> None:
