@@ -46,6 +46,9 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 # one region per rank (a rank's own region holds its product, the others what its peers sent).
 SYMMETRIC_BUFFER_BYTES = 8 * 1024 * 1024
 PENDING_SLOTS = 2
+# Then a region for this rank's vocabulary-parallel logits (float32 [rows, vocab / ranks]), which
+# the sampling rank reads from every peer: 256 rows of the 8B vocabulary's half, with room to spare.
+LOGITS_BUFFER_BYTES = 72 * 1024 * 1024
 # Up to this size one kernel reads every peer's whole message (fewest steps); above it the two-shot
 # kernel splits the work so each rank reads only its share (measured crossover, 2 GPUs).
 ONE_SHOT_MAX_BYTES = 256 * 1024
@@ -64,13 +67,13 @@ class SymmetricAllReduce:
         self.group_name = group.group_name
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.buffer = symm_mem.empty((1 + PENDING_SLOTS * self.world) * SYMMETRIC_BUFFER_BYTES, dtype=torch.uint8,
-                                     device=device)
+        self.logits_start = (1 + PENDING_SLOTS * self.world) * SYMMETRIC_BUFFER_BYTES
+        self.buffer = symm_mem.empty(self.logits_start + LOGITS_BUFFER_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
         # Every rank's buffer address, for the kernel that writes into the peers' inboxes.
         self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
         # Inboxes start empty on every rank before any rank can send into them.
-        self.buffer[SYMMETRIC_BUFFER_BYTES:].view(torch.int16).fill_(INBOX_FILL_INT16)
+        self.buffer[SYMMETRIC_BUFFER_BYTES:self.logits_start].view(torch.int16).fill_(INBOX_FILL_INT16)
         self.handle.barrier(channel=0)
         torch.cuda.synchronize(device)
 
@@ -108,6 +111,23 @@ class SymmetricAllReduce:
         return exchange_sum_add_rms_norm(
             self.buffers, self.rank, self._inbox_start(pending.slot) // size, SYMMETRIC_BUFFER_BYTES // size,
             (pending.partial.shape[0], pending.partial.shape[1]), residual, weight, eps)
+
+    def logits_slot(self, rows: int, cols: int) -> torch.Tensor | None:
+        """This rank's float32 logits region as [rows, cols]; None where it does not fit."""
+        if rows * cols * 4 > LOGITS_BUFFER_BYTES:
+            return None
+        return self.buffer[self.logits_start:self.logits_start + rows * cols * 4].view(torch.float32).view(rows, cols)
+
+    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
+        """Rank 0: every rank's `logits_slot` side by side; other ranks: `shard` (their own columns)."""
+        from fastdeploy.distributed.gather_kernel import gather_columns
+
+        # Every rank's product is in its region. A rank rewrites it only at the next step's logits,
+        # after that step's first exchange with rank 0, which rank 0 reaches after this read.
+        self.handle.barrier(channel=0)
+        if self.rank != 0:
+            return shard
+        return gather_columns(self.buffers, self.logits_start // 4, (shard.shape[0], shard.shape[1]), shard.dtype)
 
 
 @dataclass
@@ -230,6 +250,18 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     stacked = torch.empty((_STATE.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _gather_into(stacked, x)
     return stacked.view(_STATE.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 `hidden @ weight.T` (the GEMM's float32 accumulators) for this rank's vocabulary
+    rows `weight`, with every rank's columns side by side on rank 0, the rank that samples. Other
+    ranks may get only their own columns back (through symmetric memory, where they fit)."""
+    symmetric = _STATE.symmetric
+    out = symmetric.logits_slot(hidden.shape[0], weight.shape[0]) if symmetric is not None else None
+    if symmetric is None or out is None:
+        return all_gather_last_dim(torch.mm(hidden, weight.t(), out_dtype=torch.float32))
+    torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
+    return symmetric.gather_logits(out)
 
 
 def broadcast_from_first(x: torch.Tensor) -> None:

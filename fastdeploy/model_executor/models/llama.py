@@ -28,6 +28,7 @@ from fastdeploy.distributed.parallel_state import (
     sum_add_rms_norm,
     tp_rank,
     tp_size,
+    vocab_parallel_logits,
 )
 from fastdeploy.distributed.shard import local_config, shard_weight, vocab_shard
 from fastdeploy.model_executor.layers.attention import Attention
@@ -267,19 +268,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
+        """float32 logits [N, vocab] for the selected hidden states [N, hidden] (under tensor
+        parallelism on CUDA, ranks other than 0 may get only their vocabulary shard's columns)."""
         if isinstance(self.lm_head, GGUFLinear):  # the file's blocks, on the CPU
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if hidden.is_cuda and hidden.dtype != torch.float32:
             # Logits rounded to bf16 (8 mantissa bits: steps of 0.125 between 16 and 32) often
             # tie the top tokens exactly; keep the GEMM's float32 accumulators instead.
-            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-        else:
-            logits = F.linear(hidden, weight).float()
+            if tp_size() == 1:
+                return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+            # Each rank scored its vocabulary rows; rank 0, which samples, gets the whole
+            # (unpadded) row; other ranks may get their own columns.
+            return vocab_parallel_logits(hidden, weight)[:, : self.config.vocab_size]
+        logits = F.linear(hidden, weight).float()
         if tp_size() == 1:
             return logits
-        # Each rank scored its vocabulary rows; every rank gets the whole (unpadded) row.
         return all_gather_last_dim(logits)[:, : self.config.vocab_size]
 
     def _shard_sizes(self, fused: str) -> list[int]:
