@@ -46,9 +46,10 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 # one region per rank (a rank's own region holds its product, the others what its peers sent).
 SYMMETRIC_BUFFER_BYTES = 8 * 1024 * 1024
 PENDING_SLOTS = 2
-# Then a region for this rank's vocabulary-parallel logits (float32 [rows, vocab / ranks]), which
+# Then two regions for this rank's vocabulary-parallel logits (float32 [rows, vocab / ranks]), which
 # the sampling rank reads from every peer: 256 rows of the 8B vocabulary's half, with room to spare.
 LOGITS_BUFFER_BYTES = 72 * 1024 * 1024
+LOGITS_REGIONS = 2
 # Up to this size one kernel reads every peer's whole message (fewest steps); above it the two-shot
 # kernel splits the work so each rank reads only its share (measured crossover, 2 GPUs).
 ONE_SHOT_MAX_BYTES = 256 * 1024
@@ -59,7 +60,7 @@ SUMMED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class SymmetricAllReduce:
     """Sum over the group through one symmetric-memory buffer, for CUDA tensors that fit it."""
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup) -> None:
+    def __init__(self, device: torch.device, group: dist.ProcessGroup, cpu_group: dist.ProcessGroup) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from fastdeploy.distributed.sum_norm_kernel import INBOX_FILL_INT16
@@ -68,14 +69,16 @@ class SymmetricAllReduce:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.logits_start = (1 + PENDING_SLOTS * self.world) * SYMMETRIC_BUFFER_BYTES
-        self.buffer = symm_mem.empty(self.logits_start + LOGITS_BUFFER_BYTES, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(self.logits_start + LOGITS_REGIONS * LOGITS_BUFFER_BYTES, dtype=torch.uint8,
+                                     device=device)
+        self._logits_calls = 0  # the same count on every rank: the calls are collective
         self.handle = symm_mem.rendezvous(self.buffer, group)
         # Every rank's buffer address, for the kernel that writes into the peers' inboxes.
         self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
         # Inboxes start empty on every rank before any rank can send into them.
         self.buffer[SYMMETRIC_BUFFER_BYTES:self.logits_start].view(torch.int16).fill_(INBOX_FILL_INT16)
-        self.handle.barrier(channel=0)
         torch.cuda.synchronize(device)
+        dist.barrier(group=cpu_group)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.is_contiguous() and x.dtype in SUMMED_DTYPES
@@ -113,21 +116,28 @@ class SymmetricAllReduce:
             (pending.partial.shape[0], pending.partial.shape[1]), residual, weight, eps)
 
     def logits_slot(self, rows: int, cols: int) -> torch.Tensor | None:
-        """This rank's float32 logits region as [rows, cols]; None where it does not fit."""
+        """This call's float32 logits region as [rows, cols]; None where it does not fit. The regions
+        alternate by call: a rank writes one while rank 0 may still read the other (`gather_logits`)."""
         if rows * cols * 4 > LOGITS_BUFFER_BYTES:
             return None
-        return self.buffer[self.logits_start:self.logits_start + rows * cols * 4].view(torch.float32).view(rows, cols)
+        start = self._logits_region_start()
+        return self.buffer[start:start + rows * cols * 4].view(torch.float32).view(rows, cols)
 
     def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `logits_slot` side by side; other ranks: `shard` (their own columns)."""
         from fastdeploy.distributed.gather_kernel import gather_columns
 
-        # Every rank's product is in its region. A rank rewrites it only at the next step's logits,
-        # after that step's first exchange with rank 0, which rank 0 reaches after this read.
+        start = self._logits_region_start()
+        self._logits_calls += 1
+        # Every rank's product is in its region. A rank writes this region again two calls on,
+        # after the next call's barrier, which rank 0 reaches only once this read is done.
         self.handle.barrier(channel=0)
         if self.rank != 0:
             return shard
-        return gather_columns(self.buffers, self.logits_start // 4, (shard.shape[0], shard.shape[1]), shard.dtype)
+        return gather_columns(self.buffers, start // 4, (shard.shape[0], shard.shape[1]), shard.dtype)
+
+    def _logits_region_start(self) -> int:
+        return self.logits_start + (self._logits_calls % LOGITS_REGIONS) * LOGITS_BUFFER_BYTES
 
 
 @dataclass
@@ -187,7 +197,7 @@ def _symmetric_all_reduce(device: torch.device, cpu_group: dist.ProcessGroup) ->
         return None
     _RENDEZVOUS_ATTEMPTS += 1
     try:
-        symmetric: SymmetricAllReduce | None = SymmetricAllReduce(device, world)
+        symmetric: SymmetricAllReduce | None = SymmetricAllReduce(device, world, cpu_group)
     except Exception as exc:  # noqa: BLE001 - any failure to set it up means NCCL, said once in the log
         logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(exc).__name__, exc)
         symmetric = None
