@@ -72,6 +72,8 @@ class SymmetricAllReduce:
         self.buffer = symm_mem.empty(self.logits_start + LOGITS_REGIONS * LOGITS_BUFFER_BYTES, dtype=torch.uint8,
                                      device=device)
         self._logits_calls = 0  # the same count on every rank: the calls are collective
+        # The inbox of the last exchange, until a collective that orders the ranks (an all-reduce).
+        self.last_slot: int | None = None
         self.handle = symm_mem.rendezvous(self.buffer, group)
         # Every rank's buffer address, for the kernel that writes into the peers' inboxes.
         self.buffers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
@@ -110,6 +112,11 @@ class SymmetricAllReduce:
                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from fastdeploy.distributed.sum_norm_kernel import exchange_sum_add_rms_norm
 
+        if pending.slot == self.last_slot:
+            # The same inbox twice with nothing between that waits for the peers: a peer may still be
+            # reading this rank's last message there, so wait until every rank is past it.
+            self.handle.barrier(channel=0)
+        self.last_slot = pending.slot
         size = pending.partial.element_size()
         return exchange_sum_add_rms_norm(
             self.buffers, self.rank, self._inbox_start(pending.slot) // size, SYMMETRIC_BUFFER_BYTES // size,
@@ -222,15 +229,19 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (the partial outputs of a row-parallel layer); use the returned tensor."""
     if _STATE.size == 1:
         return x
-    if _STATE.symmetric is not None and _STATE.symmetric.fits(x):
-        return _STATE.symmetric(x)
+    symmetric = _STATE.symmetric
+    if symmetric is not None:
+        symmetric.last_slot = None  # every rank passes an all-reduce only once all have reached it
+        if symmetric.fits(x):
+            return symmetric(x)
     dist.all_reduce(x)
     return x
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor | PendingSum:
     """`F.linear(x, weight)` summed over ranks (a row-parallel layer without bias): a `PendingSum`
-    in symmetric-memory slot `slot` (0 or 1; calls that use one slot alternate with the other's)
+    in symmetric-memory inbox `slot` (0 or 1; calls that alternate the two, or have an all-reduce
+    between two of one slot, exchange without waiting; otherwise the exchange adds a barrier)
     where that path is set up and the product fits, else the summed tensor."""
     if _STATE.size == 1:
         return F.linear(x, weight)

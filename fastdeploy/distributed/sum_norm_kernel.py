@@ -10,9 +10,10 @@ to the sentinel is sent as a zero of the same sign class (+0.0 for 16-bit floats
 one denormal 0x80008000 as -0.0) and every rank applies the same rule to its own partial, so all
 ranks sum the same values, in rank order, and get the same bits.
 
-An inbox row is rewritten only after the next message of the other slot went both ways (the two
-slots alternate, attention then MLP), and a reader resets its row in the kernel that read it,
-which finishes before this rank sends that next message: the reset always lands first.
+An inbox row is rewritten only after something that waits for every rank went between: the
+other slot's exchange (the two slots alternate, attention then MLP), an all-reduce, or the barrier
+the caller adds when one slot comes twice in a row. A reader resets its row in the kernel that
+read it, which finishes before it reaches that wait: the reset always lands first.
 """
 
 from __future__ import annotations

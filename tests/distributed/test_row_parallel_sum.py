@@ -1,8 +1,8 @@
 """Row-parallel products summed over 2 GPUs inside the norm that follows (`row_parallel_linear` +
 `sum_add_rms_norm`, the symmetric-memory path of a decoder layer): both ranks get the same bits,
 equal to a float64 reference; eager, replayed from a CUDA graph with the two slots alternating
-as in a layer (once with one rank's work late), and for a product too large for a slot (summed
-by the all-reduce instead)."""
+as in a layer (once with one rank's work late), one slot twice in a row, and for a product too
+large for a slot (summed by the all-reduce instead)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,13 @@ def _reference(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return normed, summed
 
 
-def _layer_like(x0, w0, x1, w1, residual, norm_weight):
+def _layer_like(x0, w0, x1, w1, residual, norm_weight, slots=(0, 1)):
     """Two sub-blocks as a decoder layer runs them: slot 0, its norm, slot 1, its norm."""
     from fastdeploy.distributed.parallel_state import PendingSum, row_parallel_linear, sum_add_rms_norm
     from fastdeploy.model_executor.layers.triton_fused import add_rms_norm
 
     outs = []
-    for slot, (x, w) in enumerate(((x0, w0), (x1, w1))):
+    for slot, (x, w) in zip(slots, ((x0, w0), (x1, w1)), strict=True):
         product = row_parallel_linear(x, w, slot)
         if isinstance(product, PendingSum):
             outs.append(sum_add_rms_norm(product, residual, norm_weight, EPS))
@@ -100,6 +100,14 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
                 results[f"graph_{rows}_{replay}"] = [t.cpu() for pair in captured for t in pair]
             del graph, captured
             torch.cuda.synchronize()
+        # One slot twice in a row, back to back many times (a peer may still read the last message).
+        rows = 96
+        residual, norm_weight = (t.to(device, bf16) for t in _shared(rows, seed=1))
+        a = [t.to(device, bf16) for t in _operands(rank, rows, seed=1)]
+        b = [t.to(device, bf16) for t in _operands(rank, rows, seed=2)]
+        for repeat in range(50):
+            same = _layer_like(*a, *b, residual, norm_weight, slots=(0, 0))
+            results[f"same_{rows}_{repeat}"] = [t.cpu() for pair in same for t in pair]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_tensor_parallel()
