@@ -101,8 +101,9 @@ class EngineArgs:
                             help="split each layer over this many worker processes, one per GPU (torch.distributed: "
                                  "NCCL on CUDA, gloo on CPU); must divide the attention heads, KV heads and MLP width")
         parser.add_argument("--disable-custom-all-reduce", action="store_true",
-                            help="CUDA tensor parallelism: NCCL for every all-reduce instead of the peer-to-peer "
-                                 "kernels of PyTorch's symmetric memory for messages up to 8 MiB")
+                            help="CUDA tensor parallelism: NCCL for every sum and for the logits' gather instead "
+                                 "of the peer-to-peer kernels over PyTorch's symmetric memory (messages up to 8 MiB; "
+                                 "the sums in the norms; logits up to 72 MiB a rank)")
         parser.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most sequences decoded together in one step")
