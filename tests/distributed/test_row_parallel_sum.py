@@ -6,12 +6,10 @@ large for a slot (summed by the all-reduce instead)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.two_gpu_ranks import results_of_two_gpu_ranks
 
 IN_FEATURES = 1024  # this rank's share of the input channels
 HIDDEN = 4096
@@ -58,67 +56,58 @@ def _layer_like(x0, w0, x1, w1, residual, norm_weight, slots=(0, 1)):
     return outs
 
 
-def _rank(rank: int, init_file: str, out_dir: str) -> None:
+def _layers(rank: int, device: torch.device) -> dict:
     from fastdeploy.distributed import parallel_state
-    from fastdeploy.distributed.parallel_state import PendingSum, destroy_tensor_parallel, row_parallel_linear
+    from fastdeploy.distributed.parallel_state import PendingSum, row_parallel_linear
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    parallel_state.init_tensor_parallel(rank, 2, init_file, device)
     bf16 = torch.bfloat16
-    try:
-        assert parallel_state._STATE.symmetric is not None, "the symmetric-memory path was not set up"
-        results = {}
-        for rows in ROWS:
-            fits = isinstance(row_parallel_linear(torch.zeros(rows, IN_FEATURES, device=device, dtype=bf16),
-                                                  torch.zeros(HIDDEN, IN_FEATURES, device=device, dtype=bf16), 0),
-                              PendingSum)
-            assert fits == (rows * HIDDEN * 2 <= parallel_state.SYMMETRIC_BUFFER_BYTES)
-            residual, norm_weight = (t.to(device, bf16) for t in _shared(rows, seed=1))
-            a = [t.to(device, bf16) for t in _operands(rank, rows, seed=1)]
-            b = [t.to(device, bf16) for t in _operands(rank, rows, seed=2)]
-            eager = _layer_like(*a, *b, residual, norm_weight)  # seed 1 in slot 0, seed 2 in slot 1
-            results[f"eager_{rows}"] = [t.cpu() for pair in eager for t in pair]
-            if not fits:
-                continue  # summed by the all-reduce, which other tests replay from graphs
-
-            static = [torch.zeros_like(t) for t in (*a, *b)]
-            _layer_like(*static, residual, norm_weight)  # warm-up outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = _layer_like(*static, residual, norm_weight)
-            # Seeds swapped, back, swapped again with rank 1 late: rank 0 must wait for its product
-            # (its slot still holds the previous replay's).
-            for replay, (first, second) in enumerate(((b, a), (a, b), (b, a))):
-                for dst, src in zip(static, (*first, *second), strict=True):
-                    dst.copy_(src)
-                if replay == 2 and rank == 1:
-                    torch.cuda._sleep(100_000_000)  # ~50 ms on an H100
-                graph.replay()
-                torch.cuda.synchronize()
-                results[f"graph_{rows}_{replay}"] = [t.cpu() for pair in captured for t in pair]
-            del graph, captured
-            torch.cuda.synchronize()
-        # One slot twice in a row, back to back many times (a peer may still read the last message).
-        rows = 96
+    results = {}
+    for rows in ROWS:
+        fits = isinstance(row_parallel_linear(torch.zeros(rows, IN_FEATURES, device=device, dtype=bf16),
+                                              torch.zeros(HIDDEN, IN_FEATURES, device=device, dtype=bf16), 0),
+                          PendingSum)
+        assert fits == (rows * HIDDEN * 2 <= parallel_state.SYMMETRIC_BUFFER_BYTES)
         residual, norm_weight = (t.to(device, bf16) for t in _shared(rows, seed=1))
         a = [t.to(device, bf16) for t in _operands(rank, rows, seed=1)]
         b = [t.to(device, bf16) for t in _operands(rank, rows, seed=2)]
-        for repeat in range(50):
-            same = _layer_like(*a, *b, residual, norm_weight, slots=(0, 0))
-            results[f"same_{rows}_{repeat}"] = [t.cpu() for pair in same for t in pair]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        destroy_tensor_parallel()
+        eager = _layer_like(*a, *b, residual, norm_weight)  # seed 1 in slot 0, seed 2 in slot 1
+        results[f"eager_{rows}"] = [t.cpu() for pair in eager for t in pair]
+        if not fits:
+            continue  # summed by the all-reduce, which other tests replay from graphs
+
+        static = [torch.zeros_like(t) for t in (*a, *b)]
+        _layer_like(*static, residual, norm_weight)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _layer_like(*static, residual, norm_weight)
+        # Seeds swapped, back, swapped again with rank 1 late: rank 0 must wait for its product
+        # (its slot still holds the previous replay's).
+        for replay, (first, second) in enumerate(((b, a), (a, b), (b, a))):
+            for dst, src in zip(static, (*first, *second), strict=True):
+                dst.copy_(src)
+            if replay == 2 and rank == 1:
+                torch.cuda._sleep(100_000_000)  # ~50 ms on an H100
+            graph.replay()
+            torch.cuda.synchronize()
+            results[f"graph_{rows}_{replay}"] = [t.cpu() for pair in captured for t in pair]
+        del graph, captured
+        torch.cuda.synchronize()
+    # One slot twice in a row, back to back many times (a peer may still read the last message).
+    rows = 96
+    residual, norm_weight = (t.to(device, bf16) for t in _shared(rows, seed=1))
+    a = [t.to(device, bf16) for t in _operands(rank, rows, seed=1)]
+    b = [t.to(device, bf16) for t in _operands(rank, rows, seed=2)]
+    for repeat in range(50):
+        same = _layer_like(*a, *b, residual, norm_weight, slots=(0, 0))
+        results[f"same_{rows}_{repeat}"] = [t.cpu() for pair in same for t in pair]
+    return results
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_row_parallel_products_summed_in_the_norm_over_two_gpus():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in (0, 1)]
+    ranks = results_of_two_gpu_ranks(_layers)
     for key, got in ranks[0].items():
         for mine, theirs in zip(got, ranks[1][key], strict=True):
             assert torch.equal(mine, theirs), f"{key}: the ranks disagree"

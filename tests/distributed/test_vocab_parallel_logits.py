@@ -5,12 +5,10 @@ from a CUDA graph (through symmetric memory), and for a product too large for it
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.two_gpu_ranks import results_of_two_gpu_ranks
 
 HIDDEN = 512
 VOCAB_SHARD = 8192  # each rank's vocabulary rows
@@ -24,46 +22,37 @@ def _operands(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             (torch.randn(2 * VOCAB_SHARD, HIDDEN, generator=g) / HIDDEN**0.5).to(torch.bfloat16))
 
 
-def _rank(rank: int, init_file: str, out_dir: str) -> None:
+def _logits(rank: int, device: torch.device) -> dict:
     from fastdeploy.distributed import parallel_state
-    from fastdeploy.distributed.parallel_state import destroy_tensor_parallel, vocab_parallel_logits
+    from fastdeploy.distributed.parallel_state import vocab_parallel_logits
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    parallel_state.init_tensor_parallel(rank, 2, init_file, device)
-    try:
-        assert parallel_state._STATE.symmetric is not None, "the symmetric-memory path was not set up"
-        results = {}
-        for rows in ROWS:
-            hidden, weight = (t.to(device) for t in _operands(rows, seed=rows))
-            shard = weight[rank * VOCAB_SHARD:(rank + 1) * VOCAB_SHARD]
-            results[f"eager_{rows}"] = vocab_parallel_logits(hidden, shard).cpu()
-            if rows * VOCAB_SHARD * 4 > parallel_state.LOGITS_BUFFER_BYTES:
-                continue
-            static = torch.zeros_like(hidden)
-            vocab_parallel_logits(static, shard)  # warm-up outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = vocab_parallel_logits(static, shard)
-            static.copy_(hidden)
-            if rank == 1:
-                torch.cuda._sleep(100_000_000)  # ~50 ms late: rank 0 must wait for its columns
-            graph.replay()
-            torch.cuda.synchronize()
-            results[f"graph_{rows}"] = captured.cpu()
-            del graph, captured
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        destroy_tensor_parallel()
+    results = {}
+    for rows in ROWS:
+        hidden, weight = (t.to(device) for t in _operands(rows, seed=rows))
+        shard = weight[rank * VOCAB_SHARD:(rank + 1) * VOCAB_SHARD]
+        results[f"eager_{rows}"] = vocab_parallel_logits(hidden, shard).cpu()
+        if rows * VOCAB_SHARD * 4 > parallel_state.LOGITS_BUFFER_BYTES:
+            continue
+        static = torch.zeros_like(hidden)
+        vocab_parallel_logits(static, shard)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = vocab_parallel_logits(static, shard)
+        static.copy_(hidden)
+        if rank == 1:
+            torch.cuda._sleep(100_000_000)  # ~50 ms late: rank 0 must wait for its columns
+        graph.replay()
+        torch.cuda.synchronize()
+        results[f"graph_{rows}"] = captured.cpu()
+        del graph, captured
+    return results
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_rank_zero_gets_the_whole_vocabularys_logits_over_two_gpus():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in (0, 1)]
+    ranks = results_of_two_gpu_ranks(_logits)
     assert set(ranks[0]) == {"eager_1", "graph_1", "eager_64", "graph_64", "eager_2400"}
     for key, logits in ranks[0].items():
         rows = int(key.split("_")[1])
