@@ -156,6 +156,21 @@ def pipelines_steps(config: EngineConfig) -> bool:
     return config.device.startswith("cuda") and overlappable
 
 
+# MTP's passes run the target's embedding and output head, which under tensor parallelism are
+# vocabulary-parallel collectives every rank must join, while only rank 0 drafts.
+MTP_WITH_TENSOR_PARALLEL = ("MTP speculative decoding does not work with --tensor-parallel-size > 1 (only rank 0 "
+                            "drafts, and the MTP module's passes need every rank); use n-gram speculation or one rank")
+
+
+def check_speculation_fits_ranks(config: EngineConfig) -> None:
+    """Refuses MTP speculation over more than one tensor-parallel rank, before any process
+    starts: the worker would otherwise stop at start-up, and the engine report only that it
+    lost the worker. n-gram drafts come from the host and run under tensor parallelism."""
+    spec = config.speculative
+    if config.tensor_parallel_size > 1 and spec is not None and spec.method == "mtp":
+        raise ValueError(MTP_WITH_TENSOR_PARALLEL)
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """The concrete weight/activation dtype name: `auto` is bfloat16 on CUDA, float32 elsewhere."""
     if dtype == "auto":

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from fastdeploy.common.config import ASYNC_SCHEDULING_MODES, CacheConfig, EngineConfig, SchedulerConfig, pipelines_steps
+from fastdeploy.common.config import (
+    ASYNC_SCHEDULING_MODES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    check_speculation_fits_ranks,
+    pipelines_steps,
+)
 from fastdeploy.common.sampling_params import SAMPLING_MASK_FORMATS
 from fastdeploy.common.speculative_config import SpeculativeConfig, parse_speculative_config
 from fastdeploy.reasoning import reasoning_parser_names
@@ -78,6 +85,7 @@ class EngineArgs:
             ),
         )
         pipelines_steps(config)  # refuses an unknown mode, or "on" where steps cannot overlap
+        check_speculation_fits_ranks(config)  # MTP with more than one tensor-parallel rank
         return config
 
     @staticmethod
@@ -99,7 +107,8 @@ class EngineArgs:
                             help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                             help="split each layer over this many worker processes, one per GPU (torch.distributed: "
-                                 "NCCL on CUDA, gloo on CPU); must divide the attention heads, KV heads and MLP width")
+                                 "NCCL on CUDA, gloo on CPU); must divide the attention heads, KV heads and MLP width; "
+                                 "refused with MTP speculation (n-gram works)")
         parser.add_argument("--disable-custom-all-reduce", action="store_true",
                             help="CUDA tensor parallelism: NCCL for every sum and for the logits' gather instead "
                                  "of the peer-to-peer kernels over PyTorch's symmetric memory (messages up to 8 MiB; "

@@ -8,7 +8,7 @@ import msgspec
 import torch
 import zmq
 
-from fastdeploy.common.config import EngineConfig
+from fastdeploy.common.config import EngineConfig, check_speculation_fits_ranks
 from fastdeploy.common.ipc import endpoint, socket
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.distributed.parallel_state import init_tensor_parallel, tp_rank, tp_size
@@ -29,8 +29,7 @@ def start_tensor_parallel(config: EngineConfig, rank: int, dist_init_file: str |
     if tp > 1:
         if dist_init_file is None:
             raise ValueError("a tensor-parallel group needs the file its ranks meet at")
-        if config.speculative is not None and config.speculative.method == "mtp":
-            raise ValueError("MTP speculation does not support --tensor-parallel-size > 1 yet")
+        check_speculation_fits_ranks(config)  # an EngineConfig made without EngineArgs
         if device.type == "cuda":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)

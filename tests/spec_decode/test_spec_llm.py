@@ -120,3 +120,29 @@ def test_bad_speculative_config_is_refused():
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="method"):
         LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+def test_mtp_with_tensor_parallelism_is_refused_before_anything_starts():
+    """Only rank 0 drafts, and the MTP module's passes run collectives every rank must join: the
+    combination is refused with its reason, offline and by the server (a usage error), before a
+    worker starts; a config made without EngineArgs is refused by the worker before the group
+    forms. n-gram speculation under tensor parallelism is still accepted."""
+    from fastdeploy.common.config import EngineConfig
+    from fastdeploy.common.speculative_config import parse_speculative_config
+    from fastdeploy.engine.args import EngineArgs
+    from fastdeploy.entrypoints.openai.api_server import build_app, make_parser
+    from fastdeploy.worker.tp_startup import start_tensor_parallel
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    message = r"MTP speculative decoding does not work with --tensor-parallel-size > 1 \(only rank 0 drafts"
+    with pytest.raises(ValueError, match=message):
+        LLM(tensor_parallel_size=2, speculative_config=mtp)
+    with pytest.raises(SystemExit, match=message):
+        build_app(make_parser().parse_args(["--tensor-parallel-size", "2", "--speculative-config", json.dumps(mtp)]))
+    config = EngineConfig(tensor_parallel_size=2, speculative=parse_speculative_config(mtp))
+    with pytest.raises(ValueError, match=message):
+        start_tensor_parallel(config, 0, "unused-rendezvous-file")
+    ngram = EngineArgs(tensor_parallel_size=2, speculative_config=NGRAM).create_engine_config()
+    assert ngram.speculative is not None and ngram.speculative.method == "ngram"
+    assert EngineArgs(speculative_config=mtp).create_engine_config().speculative.method == "mtp"  # one rank
+    assert "refused with MTP speculation" in " ".join(make_parser().format_help().split())
