@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 INFO = b"I"
 FRAME = b"F"
 ERROR = b"E"
+# How long a worker that failed to start waits for its error message to reach the engine.
+ERROR_FLUSH_MS = 5000
 STEP = b"S"
 SHUTDOWN = b"Q"
 
@@ -66,6 +68,10 @@ def run_worker(config: EngineConfig, ipc_dir: str, engine_pid: int) -> None:
         sock.send_multipart([INFO, msgspec.msgpack.encode(runner.info)])
     except Exception:
         sock.send_multipart([ERROR, traceback.format_exc().encode()])
+        # The socket drops unsent messages on close (no linger): let the engine get this one, which
+        # says why, before the process exits; the engine otherwise sees only that it is gone.
+        sock.close(linger=ERROR_FLUSH_MS)
+        ctx.term()
         raise
     decoder = msgspec.msgpack.Decoder(StepInput)
     encoder = msgspec.msgpack.Encoder()
