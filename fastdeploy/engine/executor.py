@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from typing import Protocol
 
 import msgspec
@@ -75,6 +76,10 @@ class InProcessExecutor:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
+# How often the start-up wait looks at the tensor-parallel ranks beside rank 0.
+FOLLOWER_CHECK_S = 1.0
+
+
 class WorkerError(RuntimeError):
     """The worker failed a step or died; in-flight sequences cannot continue."""
 
@@ -104,13 +109,41 @@ class WorkerProcessExecutor:
         self.step_timeout_s = step_timeout_s
         self.ctx = zmq.Context()
         self.sock = socket(self.ctx, zmq.PAIR, endpoint(ipc_dir, "worker"), bind=True)
-        workers = workers or start_workers(config, ipc_dir)
-        self.process, self.followers = workers.rank0, workers.followers
-        kind, payload = self._recv(startup_timeout_s)
-        if kind != INFO:
-            raise WorkerError(f"worker failed to start:\n{payload.decode()}")
+        try:
+            workers = workers or start_workers(config, ipc_dir)
+            self.process, self.followers = workers.rank0, workers.followers
+            kind, payload = self._receive_start(startup_timeout_s)
+            if kind != INFO:
+                raise WorkerError(f"worker failed to start:\n{payload.decode()}")
+        except BaseException:
+            # Nothing calls shutdown on an executor that never started: close its socket here
+            # (a context collected with a socket still open blocks in its teardown).
+            self.sock.close()
+            self.ctx.term()
+            raise
         self.info = msgspec.msgpack.decode(payload, type=WorkerInfo)
         self.runs_beside_engine = True
+
+    def _receive_start(self, timeout_s: float) -> list[bytes]:
+        """The worker's first message. A tensor-parallel rank that exits meanwhile ends the wait:
+        rank 0 would wait for it to join the group until the group's own timeout."""
+        deadline = time.monotonic() + timeout_s
+        pid = self.process.pid
+        assert pid is not None  # started before this
+        while True:
+            try:
+                return recv_with_liveness(self.sock, pid, min(FOLLOWER_CHECK_S, max(0.0, deadline - time.monotonic())))
+            except PeerDiedError as exc:
+                raise WorkerError(f"worker process lost: {exc}") from exc
+            except TimeoutError as exc:
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"worker process lost: no message in {timeout_s:.0f} s") from exc
+            for rank, follower in enumerate(self.followers, start=1):
+                if not follower.is_alive():
+                    for process in (self.process, *self.followers):  # rank 0 waits in the group's set-up
+                        process.kill()
+                    raise WorkerError(f"worker failed to start: tensor-parallel rank {rank} exited (exit code "
+                                      f"{follower.exitcode}); its error is in the log above")
 
     def _recv(self, timeout_s: float) -> list[bytes]:
         try:
