@@ -213,3 +213,49 @@ def test_a_body_that_is_no_json_object_says_so(body):
     message, param = validation_message(caught.value.errors(include_url=False))
     assert message == "the request body must be a JSON object, sent as Content-Type: application/json"
     assert param is None
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "2"), ("max_tokens", 2.0), ("n", True), ("seed", "7"),
+                                          ("temperature", True), ("top_p", "0.5"), ("stream", "true"),
+                                          ("ignore_eos", 1), ("logprobs", "yes"), ("logit_bias", {"1": "2"}),
+                                          ("stop_token_ids", [True]), ("stream_options", {"include_usage": "yes"})])
+def test_json_types_are_taken_as_they_are(field, value):
+    """A string is no number, a boolean no integer, "yes" or 1 no boolean: each is a 400 naming the
+    field (they were coerced: `"stream": "true"` streamed, `"n": true` asked for one choice)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], field: value}
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(body)
+    assert validation_message(caught.value.errors(include_url=False))[1] == field
+
+
+@pytest.mark.parametrize("body, path", [
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"messages": [{"role": "user", "contnet": "Hi"}]}, "messages.0.contnet"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]}]},
+     "messages.0.content.0.cache_control"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.1.tool_calls"),
+    ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages.0.refusal"),
+])
+def test_a_key_the_server_does_not_know_inside_an_object_is_refused_by_name(body, path):
+    """Not only at the top level: a misspelt message key left an empty message, an assistant turn's
+    tool calls were dropped by the chat template unseen."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], **body}
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(body)
+    assert validation_message(caught.value.errors(include_url=False)) == (
+        f"request argument `{path}` is not supported by this server", path.split(".")[0])
+
+
+def test_message_fields_that_ask_nothing_are_taken():
+    messages = [{"role": "user", "content": "Hi", "name": "ann"},
+                {"role": "assistant", "content": "Hello", "tool_calls": [], "refusal": None, "audio": None,
+                 "function_call": None},
+                {"role": "tool", "content": "42", "tool_call_id": "call-1"}]
+    request = ChatCompletionRequest.model_validate({"messages": messages})
+    assert [m.template_fields() for m in request.messages] == [
+        {"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", "content": "Hello"},
+        {"role": "tool", "content": "42"}]

@@ -52,7 +52,8 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     if not loc and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
         # A JSON array or scalar, or a body sent as another content type (read as raw bytes).
         return "the request body must be a JSON object, sent as Content-Type: application/json", None
-    if first.get("type") == "extra_forbidden" and len(loc) == 1:
-        return f"request argument `{loc[0]}` is not supported by this server", loc[0]
     loc = loc[:1] + [p for p in loc[1:] if "[" not in p and p not in _MEMBER_TAGS]
+    if first.get("type") == "extra_forbidden" and loc:
+        # At any depth (`messages.0.tool_calls`, `stream_options.foo`): named, as a top-level one is.
+        return f"request argument `{'.'.join(loc)}` is not supported by this server", loc[0]
     return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)

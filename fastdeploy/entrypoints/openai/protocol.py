@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -34,13 +35,41 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": ([], None), "functions": ([], None), "tool_choice": ("none", "auto", None),
     "function_call": ("none", None), "modalities": (["text"], None),
 }
+# The same for a chat message: `tool_call_id` ties a tool result to its call (bookkeeping); an
+# assistant turn's tool calls, refusal or audio would be dropped by the chat template unseen, so
+# they are taken only empty.
+MESSAGE_IGNORED_FIELDS = frozenset({"tool_call_id"})
+MESSAGE_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "tool_calls": ([], None), "function_call": (None,), "refusal": (None,), "audio": (None,),
+}
+# Every object of a request: JSON types as they are (no "2" for 2, true for 1 or "yes" for true: a
+# client sending them has a bug that a coercion would hide), no NaN or Infinity (1e999 is valid JSON
+# and no parameter means anything by it), and no key this server does not know (refused naming it,
+# never silently ignored).
+STRICT_JSON = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def drop_inert(data: Any, known: Iterable[str], ignored: frozenset[str],
+               neutral: dict[str, tuple[Any, ...]]) -> Any:
+    """`data` without the keys that ask nothing of the server: `ignored` ones, and `neutral` ones at
+    a value that asks for nothing. A key the model declares (`known`) is always kept."""
+    if not isinstance(data, dict):
+        return data
+    known = set(known)
+
+    def inert(key: str, value: Any) -> bool:
+        return key in ignored or (key in neutral and value in neutral[key])
+
+    return {key: value for key, value in data.items() if key in known or not inert(key, value)}
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT_JSON
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = STRICT_JSON
     type: Literal["text"]
     text: str
 
@@ -55,10 +84,23 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_JSON
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_inert_fields(cls, data: Any) -> Any:
+        """Drop the message fields that ask nothing of this server (see MESSAGE_NEUTRAL_VALUES)."""
+        return drop_inert(data, cls.model_fields, MESSAGE_IGNORED_FIELDS, MESSAGE_NEUTRAL_VALUES)
+
+    def template_fields(self) -> dict[str, str]:
+        """The message as the chat template takes it (a template that knows `name` shows it)."""
+        fields = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
 
     def text(self) -> str:
         if self.content is None:
@@ -71,9 +113,8 @@ class ChatMessage(BaseModel):
 class CommonRequest(BaseModel):
     """Fields shared by chat and completions, including the extra sampling fields."""
 
-    # Infinity arrives as valid JSON (1e999); no sampling parameter means anything by it. A field
-    # this server does not implement is refused (a 400 naming it), never silently ignored.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # A field this server does not implement is refused (a 400 naming it), never silently ignored.
+    model_config = STRICT_JSON
     model: str | None = None
     n: Choices = 1
     temperature: float | None = None
@@ -113,13 +154,7 @@ class CommonRequest(BaseModel):
     @classmethod
     def drop_inert_fields(cls, data: Any) -> Any:
         """Drop the OpenAI fields that ask nothing of this server (see IGNORED_FIELDS)."""
-        if not isinstance(data, dict):
-            return data
-
-        def inert(key: str, value: Any) -> bool:
-            return key in IGNORED_FIELDS or (key in NEUTRAL_VALUES and value in NEUTRAL_VALUES[key])
-
-        return {key: value for key, value in data.items() if key in cls.model_fields or not inert(key, value)}
+        return drop_inert(data, cls.model_fields, IGNORED_FIELDS, NEUTRAL_VALUES)
 
     def guided_field(self) -> str | None:
         """The structured-output field this request used, for naming it in errors."""

@@ -25,8 +25,7 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning: ReasoningParser | None = get_reasoning_parser(name)(tokenizer) if name else None
 
     def _prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in request.messages]
+        messages = [m.template_fields() for m in request.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # template errors are the caller's messages, not ours
