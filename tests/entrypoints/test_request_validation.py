@@ -259,3 +259,12 @@ def test_message_fields_that_ask_nothing_are_taken():
     assert [m.template_fields() for m in request.messages] == [
         {"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", "content": "Hello"},
         {"role": "tool", "content": "42"}]
+
+
+def test_completions_echo_true_is_refused():
+    """It was taken and ignored: the completion came without the prompt it asked for."""
+    assert not CompletionRequest.model_validate({"prompt": "Hi", "echo": False}).echo
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"prompt": "Hi", "echo": True})
+    message, param = validation_message(caught.value.errors(include_url=False))
+    assert param == "echo" and "not supported" in message

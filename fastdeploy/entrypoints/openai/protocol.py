@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fastdeploy.common.sampling_params import ParameterError, SamplingParams
 from fastdeploy.entrypoints.openai.guided_request import guided_spec_from_request
@@ -226,8 +226,16 @@ class CompletionRequest(CommonRequest):
     prompt: str | PromptTexts | TokenIds | PromptTokenLists
     max_tokens: Count | None = 16
     logprobs: LogprobCount | None = None
+    # Taken only false: the completion comes without its prompt (and the engine keeps no prompt logprobs).
     echo: bool = False
     best_of: Choices | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("`echo: true` is not supported: this server returns the completion without its prompt")
+        return echo
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
