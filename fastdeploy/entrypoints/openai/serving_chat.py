@@ -40,7 +40,9 @@ class OpenAIServingChat(OpenAIServing):
         engine_requests = self.engine_requests(request, request_id, [prompt], params, "messages")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return StreamedResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests))
+            events = await self.started_choices(engine_requests, raw_request)
+            return StreamedResponse(self._stream(request, request_id, model, prompt_text, prompt, engine_requests,
+                                                 events))
         return await until_disconnected(
             raw_request, self._full(request, request_id, model, prompt_text, prompt, engine_requests))
 
@@ -70,8 +72,8 @@ class OpenAIServingChat(OpenAIServing):
         envelope = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model}
         return await self.full_response(engine_requests, BodyLayout(envelope, render_choice, render_tail))
 
-    async def _stream(self, request, request_id, model, prompt_text, prompt,
-                      engine_requests) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, request, request_id, model, prompt_text, prompt, engine_requests,
+                      events) -> AsyncGenerator[bytes, None]:
         created = int(time.time())
 
         def chunk(choices: list[dict], **extra) -> dict:
@@ -109,5 +111,5 @@ class OpenAIServingChat(OpenAIServing):
             }
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        async for line in self.sse_events(engine_requests, format_choice, chunk, len(prompt), include_usage):
+        async for line in self.sse_events(events, format_choice, chunk, len(prompt), include_usage):
             yield line

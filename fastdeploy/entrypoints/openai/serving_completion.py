@@ -27,7 +27,8 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_requests = self.engine_requests(request, request_id, prompts, params, "prompt")
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return StreamedResponse(self._stream(request, request_id, model, prompts, engine_requests))
+            events = await self.started_choices(engine_requests, raw_request)
+            return StreamedResponse(self._stream(request, request_id, model, prompts, engine_requests, events))
         return await until_disconnected(raw_request,
                                         self._full(request, request_id, model, prompts, engine_requests))
 
@@ -51,7 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
         envelope = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
         return await self.full_response(engine_requests, BodyLayout(envelope, render_choice, render_tail))
 
-    async def _stream(self, request, request_id, model, prompts, engine_requests) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, request, request_id, model, prompts, engine_requests,
+                      events) -> AsyncGenerator[bytes, None]:
         created = int(time.time())
         text_offsets = [0] * len(engine_requests)
 
@@ -73,6 +75,6 @@ class OpenAIServingCompletion(OpenAIServing):
             return choice
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        async for line in self.sse_events(engine_requests, format_choice, wrap, sum(len(p) for p in prompts),
+        async for line in self.sse_events(events, format_choice, wrap, sum(len(p) for p in prompts),
                                           include_usage):
             yield line

@@ -120,16 +120,43 @@ class OpenAIServing:
     def choice_error(self, choice: ServedChoice) -> APIError:
         return self.generation_error(choice.error, choice.error_status)
 
-    async def sse_events(self, requests: list[EngineRequest], format_choice: Callable[[ChoiceEvent], dict],
-                         wrap: Callable[..., dict], prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def started_choices(self, requests: list[EngineRequest],
+                              raw_request: Request) -> AsyncGenerator[ChoiceEvent, None]:
+        """The choices' events for a stream, once the first has come: a request the engine refuses
+        at its first step (a constraint no token can start, a grammar that does not compile) gets
+        its error status, not a 200 whose stream holds only the error. The client leaving while
+        it waits aborts the requests, as in `until_disconnected`."""
+        events = self.run_choices(requests)
+        try:
+            first = await until_disconnected(raw_request, anext(events, None))
+            if first is not None and first.chunk.finish_reason == "error":
+                raise self.generation_error(first.chunk.error, first.chunk.error_status)
+        except BaseException:
+            await events.aclose()
+            raise
+        return self._resumed(first, events)
+
+    @staticmethod
+    async def _resumed(first: ChoiceEvent | None, events: AsyncGenerator[ChoiceEvent, None]
+                       ) -> AsyncGenerator[ChoiceEvent, None]:
+        async with contextlib.aclosing(events):
+            if first is not None:
+                yield first
+            async for event in events:
+                yield event
+
+    async def sse_events(self, events: AsyncGenerator[ChoiceEvent, None],
+                         format_choice: Callable[[ChoiceEvent], dict], wrap: Callable[..., dict],
+                         prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body shared by chat and completions: one event per chunk, usage, [DONE].
 
-        `format_choice` renders one choice's chunk; `wrap(choices, **extra)` the envelope.
-        A failed choice ends the stream with one error event.
+        `events`: from `started_choices`. `format_choice` renders one choice's chunk;
+        `wrap(choices, **extra)` the envelope. A choice that fails after the first event ends the
+        stream with one error event.
         """
         completion_tokens = 0
         try:
-            async for event in self.run_choices(requests):
+            async for event in events:
                 c = event.chunk
                 if c.finish_reason == "error":
                     yield sse(self.generation_error(c.error, c.error_status).body())
@@ -149,6 +176,8 @@ class OpenAIServing:
             # (the headers are sent by now; raising would cut the body short without a word).
             logger.exception("stream failed")
             yield sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body())
+        finally:
+            await events.aclose()
         yield sse("[DONE]")
 
     async def run_choices(self, requests: list[EngineRequest]) -> AsyncGenerator[ChoiceEvent, None]:
@@ -241,6 +270,7 @@ async def until_disconnected(raw_request: Request, work: Awaitable[_T]) -> _T:
                 return task.result()
             if await raw_request.is_disconnected():
                 task.cancel()
+                await asyncio.wait({task})  # its clean-up done: what it iterated may be closed now
                 raise APIError(499, "client disconnected", "client_closed_request")
     finally:
         if not task.done():
