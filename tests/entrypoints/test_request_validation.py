@@ -268,3 +268,17 @@ def test_completions_echo_true_is_refused():
         CompletionRequest.model_validate({"prompt": "Hi", "echo": True})
     message, param = validation_message(caught.value.errors(include_url=False))
     assert param == "echo" and "not supported" in message
+
+
+@pytest.mark.parametrize("model, body", [(ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}),
+                                         (CompletionRequest, {"prompt": "Hi"})])
+def test_stream_options_without_a_stream_are_refused(model, body):
+    """As OpenAI: `stream_options` asks for what only a stream has (they were taken and ignored)."""
+    for stream in (False, None):
+        request = model.model_validate({**body, "stream_options": {"include_usage": True},
+                                        **({"stream": stream} if stream is not None else {})})
+        with pytest.raises(ParameterError) as caught:
+            request.to_sampling_params()
+        assert caught.value.param == "stream_options"
+    model.model_validate({**body, "stream": True, "stream_options": {"include_usage": True}}).to_sampling_params()
+    model.model_validate({**body, "stream_options": None}).to_sampling_params()

@@ -171,6 +171,9 @@ class CommonRequest(BaseModel):
         raise NotImplementedError
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            # As OpenAI: the options of a stream asked for without one would be ignored.
+            raise ParameterError("stream_options is only allowed when stream is true", "stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         logit_bias = {}
         for key, value in (self.logit_bias or {}).items():
