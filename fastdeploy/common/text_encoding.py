@@ -4,8 +4,9 @@
 attention and special-token masks) and converts it to Python lists, where a prompt needs only
 its ids. `encode_batch_fast` skips the offsets: a 4,310-token prompt takes 10.1 ms instead of
 14.4 (the embedded SmolLM2 tokenizer; 12.6 instead of 17.1 from its tokenizer.json; medians of
-15 interleaved runs, 2-core VM), and the API server tokenizes every prompt on its event loop,
-before the request reaches the engine.
+15 interleaved runs, 2-core VM), and the API server tokenizes every prompt on its event loop
+(all but the long ones, which go to a worker thread: `validation.INLINE_ENCODE_CHARS`), before
+the request reaches the engine.
 """
 
 from __future__ import annotations

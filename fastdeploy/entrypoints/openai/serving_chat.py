@@ -14,7 +14,7 @@ from fastdeploy.entrypoints.openai.full_body import BodyLayout
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
 from fastdeploy.entrypoints.openai.streamed_response import StreamedResponse
-from fastdeploy.entrypoints.openai.validation import encode_text
+from fastdeploy.entrypoints.openai.validation import encode_texts
 from fastdeploy.reasoning import ReasoningParser, ReasoningSplitter, get_reasoning_parser
 
 
@@ -24,18 +24,19 @@ class OpenAIServingChat(OpenAIServing):
         name = client.config.reasoning_parser
         self.reasoning: ReasoningParser | None = get_reasoning_parser(name)(tokenizer) if name else None
 
-    def _prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    async def _prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         messages = [m.template_fields() for m in request.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # template errors are the caller's messages, not ours
             raise bad_request(f"messages cannot be formatted with the chat template: {exc}", "messages") from None
-        return text, encode_text(self.tokenizer, text, "messages")
+        [tokens] = await encode_texts(self.tokenizer, [text], "messages")
+        return text, tokens
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request):
         self.check_model(request.model)
         params = self.sampling_params(request)
-        prompt_text, prompt = self._prompt(request)
+        prompt_text, prompt = await self._prompt(request)
         request_id = new_request_id("chatcmpl")
         engine_requests = self.engine_requests(request, request_id, [prompt], params, "messages")
         model = request.model or self.served_model_names[0]

@@ -13,7 +13,7 @@ from fastdeploy.entrypoints.openai.full_body import BodyLayout
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing, new_request_id, until_disconnected
 from fastdeploy.entrypoints.openai.streamed_response import StreamedResponse
-from fastdeploy.entrypoints.openai.validation import check_choices, encode_text
+from fastdeploy.entrypoints.openai.validation import check_choices, encode_texts
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -22,7 +22,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request)
         texts_or_ids = request.prompts()
         check_choices(request, len(texts_or_ids))
-        prompts = [encode_text(self.tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in texts_or_ids]
+        encoded = iter(await encode_texts(self.tokenizer, [p for p in texts_or_ids if isinstance(p, str)], "prompt"))
+        prompts = [next(encoded) if isinstance(p, str) else list(p) for p in texts_or_ids]
         request_id = new_request_id("cmpl")
         engine_requests = self.engine_requests(request, request_id, prompts, params, "prompt")
         model = request.model or self.served_model_names[0]

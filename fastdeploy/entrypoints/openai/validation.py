@@ -6,6 +6,7 @@ depends on the model (vocabulary, context length) or on several fields together.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -20,6 +21,11 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.request_limits import MAX_PROMPTS
 
+# Text longer than this is tokenized on a worker thread: the Rust tokenizer lets go of the GIL, and
+# a prompt of megabytes (seconds of tokenizing, 3.9 s for 6 MiB on the 2-core VM) on the event
+# loop stalled every stream the server was sending. Shorter text is tokenized in place, sparing the
+# thread hand-off to the usual prompt (10 ms for 4,310 tokens).
+INLINE_ENCODE_CHARS = 1 << 16
 # JSON Schema keywords that name another schema by URI; only fragments of the same document may be used.
 REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
 # Keys under which a schema may also be given as JSON text (response_format.json_schema.schema, ...).
@@ -39,6 +45,17 @@ def encode_text(tokenizer, text: str, param: str) -> list[int]:
         return encode_ids(tokenizer, text)
     except Exception as exc:  # tokenizers raise TypeError, ValueError, Rust panics as exceptions
         raise bad_request(f"`{param}` cannot be tokenized: {exc}", param) from None
+
+
+async def encode_texts(tokenizer, texts: list[str], param: str) -> list[list[int]]:
+    """`encode_text` of each text, on a worker thread when together they are long enough to stall
+    the event loop (one request's 256 prompts as much as one long one)."""
+    def encode_all() -> list[list[int]]:
+        return [encode_text(tokenizer, text, param) for text in texts]
+
+    if sum(len(text) for text in texts) <= INLINE_ENCODE_CHARS:
+        return encode_all()
+    return await asyncio.to_thread(encode_all)
 
 
 def check_context(num_prompt: int, max_tokens: int | None, limits: EngineLimits, max_tokens_param: str,
