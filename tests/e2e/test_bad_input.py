@@ -187,9 +187,11 @@ def test_nothing_in_a_request_reads_a_file_or_a_url(server):
     assert chat(server, guided_json=local, max_tokens=4).status_code == 200
 
 
-def test_a_constraint_no_token_can_start_is_a_400(server):
-    """No token of the embedded vocabulary starts with byte 0xF1: the constraint allows nothing."""
-    r = chat(server, guided_regex="\U00040000", temperature=0, max_tokens=3)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_no_token_can_start_is_a_400(server, stream):
+    """No token of the embedded vocabulary starts with byte 0xF1: the constraint allows nothing.
+    Streamed too: the status waits for the first step (it was a 200 holding an error event)."""
+    r = chat(server, guided_regex="\U00040000", temperature=0, max_tokens=3, stream=stream)
     assert_error(r, status=400)
     assert "no token of the model's vocabulary" in r.json()["error"]["message"]
 
