@@ -1,7 +1,8 @@
 """Train the MTP draft head for a target model by self-distillation.
 
     python tools/train_mtp.py --device cuda            # the embedded SmolLM2-135M-Instruct, ~3 min on an H100
-    python tools/train_mtp.py --device cpu --num-prompts 16 --max-tokens 32 --steps 20 --out /tmp/head
+    python tools/train_mtp.py --device cpu --num-prompts 16 --max-tokens 32 --steps 20 --out /tmp/head \
+        --plot /tmp/head/loss.png
 
 1. Data: chat prompts built from templates (`tools/mtp_prompts.py`), answered by the target
    itself through the fastdeploy engine, once greedy and once at temperature 0.7.
@@ -14,6 +15,9 @@
    labels), and acceptance at temperature T is the overlap of exactly these two distributions.
    The embedding, final norm and output head are the target's, shared and frozen; the head's
    decoder block starts as a copy of the target's last block.
+4. Second draft: the loss adds `--recursion-weight` times the same KL for a pass fed the head's
+   own output at j-1 where the target's hidden state was (what drafting does from its second
+   token on).
 
 Writes `config.json` + `model.safetensors` (bf16) to `--out` via `save_mtp_head` (default: the
 head shipped in the package), and the loss curve (PNG) with its log (JSON) to `--plot`.
@@ -147,20 +151,38 @@ def _pad(batch: list[Sequence], device: torch.device) -> tuple[torch.Tensor, tor
     return ids.to(device), mask.to(device)
 
 
-def distill_loss(head: MTPHead, target: LlamaForCausalLM, ids: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean KL(target || head) over the masked pairs, and the head's greedy agreement there."""
+def distill_loss(head: MTPHead, target: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor,
+                 recursion_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, KL, agreement, agreement of the second draft): the loss is the mean KL(target || head)
+    over the masked pairs plus `recursion_weight` times the same KL for the head fed its own output
+    (the second draft); agreement is the head's greedy agreement with the target (the second draft's
+    NaN without the recursion term)."""
     hidden = dense_hidden_states(target, ids)  # [B, L, H]: hidden j predicts token j+1
-    prev = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # pair j gets hidden j-1
-    out = head.forward_dense(target.model.embed_tokens(ids), prev, target.model.norm)
+    embeds = target.model.embed_tokens(ids)
+    out = head.forward_dense(embeds, _after(hidden), target.model.norm)  # pair j gets hidden j-1
     # The shared output head as a plain GEMM: compute_logits' CUDA float32-output matmul has no backward.
     weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    student = F.log_softmax(F.linear(out[mask], weight).float(), dim=-1)
     with torch.no_grad():
         teacher = F.log_softmax(target.compute_logits(hidden[mask]), dim=-1)
-    loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-    return loss, agree
+
+    def kl_and_agreement(head_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        student = F.log_softmax(F.linear(head_out[mask], weight).float(), dim=-1)
+        return (F.kl_div(student, teacher, log_target=True, reduction="batchmean"),
+                (student.argmax(-1) == teacher.argmax(-1)).float().mean())
+
+    kl, agree = kl_and_agreement(out)
+    if not recursion_weight:
+        return kl, kl, agree, torch.tensor(float("nan"))
+    # A second draft feeds the head's output at j-1 where the target's hidden state was: pair j
+    # then holds the head's stand-in for hidden j-1 (teacher-forced token j, as in the first pass).
+    again = head.forward_dense(embeds, _after(out), target.model.norm)
+    kl_again, agree_again = kl_and_agreement(again)
+    return kl + recursion_weight * kl_again, kl, agree, agree_again
+
+
+def _after(states: torch.Tensor) -> torch.Tensor:
+    """[B, L, H] moved one position later (zeros first): pair j gets the state of position j-1."""
+    return torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)
 
 
 def init_head(target: LlamaForCausalLM, intermediate_size: int | None) -> MTPHead:
@@ -176,7 +198,8 @@ def init_head(target: LlamaForCausalLM, intermediate_size: int | None) -> MTPHea
 
 
 def train(head: MTPHead, target: LlamaForCausalLM, seqs: list[Sequence], steps: int, lr: float,
-          max_batch_tokens: int, seed: int, max_seconds: float = math.inf) -> list[dict[str, float]]:
+          max_batch_tokens: int, seed: int, max_seconds: float = math.inf,
+          recursion_weight: float = 0.0) -> list[dict[str, float]]:
     """AdamW over length-bucketed batches for `steps` steps or `max_seconds`, whichever ends first.
 
     The schedule (linear warm-up, cosine decay to a tenth) follows whichever of the two is further
@@ -202,12 +225,13 @@ def train(head: MTPHead, target: LlamaForCausalLM, seqs: list[Sequence], steps: 
             pending = batches(seqs, max_batch_tokens, rng)
         ids, mask = _pad(pending.pop(), device)
         with autocast:
-            loss, agree = distill_loss(head, target, ids, mask)
+            loss, kl, agree, agree_again = distill_loss(head, target, ids, mask, recursion_weight)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optim.step()
-        entry = {"step": step, "kl": loss.item(), "top1_agree": agree.item(), "tokens": int(mask.sum()),
+        entry = {"step": step, "loss": loss.item(), "kl": kl.item(), "top1_agree": agree.item(),
+                 "top1_agree_second_draft": agree_again.item(), "tokens": int(mask.sum()),
                  "lr": optim.param_groups[0]["lr"]}
         log.append(entry)
         bar.update(1)
@@ -246,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine batch while generating")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--recursion-weight", type=float, default=0.5,
+                   help="weight of the loss with the head fed its own output (second draft); 0: first draft only")
     p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per training step")
     p.add_argument("--max-train-seconds", type=float, default=math.inf, help="stop training early after this")
     p.add_argument("--num-kv-blocks", type=int, default=None,
@@ -273,9 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.data:  # sequences generated earlier (--save-data), possibly on another machine
         with open(args.data) as f:
             seqs = [Sequence(ids, n) for ids, n in json.load(f)["sequences"]]
-        target, _ = get_model(args.model, dtype=dtype, device=args.device)
+        target, _ = get_model(args.model, dtype=dtype, device=args.device, gguf_quantized=False)
     elif args.generator == "dense":
-        target, config = get_model(args.model, dtype=dtype, device=args.device)
+        target, config = get_model(args.model, dtype=dtype, device=args.device, gguf_quantized=False)
         seqs = generate_sequences_dense(target, get_tokenizer(args.model),
                                         training_prompts(args.num_prompts, args.seed), args.max_tokens,
                                         args.temperatures, list(config.eos_token_ids), args.seed,
@@ -285,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
         blocks = args.num_kv_blocks or (8192 if args.device.startswith("cuda") else None)
         llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, guided_decoding_backend="off",
                   num_kv_blocks=blocks)
-        target = llm.engine.executor.runner.model
+        # The head trains against dense weights: the engine's are on a GPU, while on the CPU it keeps
+        # a GGUF's projections in their 4-bit blocks (no state dict to start the head from, no backward).
+        target = llm.engine.executor.runner.model if args.device.startswith("cuda") else \
+            get_model(args.model, dtype=dtype, device=args.device, gguf_quantized=False)[0]
         seqs = generate_sequences(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens,
                                   args.temperatures, args.seed)
     generated_s = time.perf_counter() - started
@@ -298,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     head = init_head(target, args.intermediate_size)
-    log = train(head, target, seqs, args.steps, args.lr, args.batch_tokens, args.seed, args.max_train_seconds)
+    log = train(head, target, seqs, args.steps, args.lr, args.batch_tokens, args.seed, args.max_train_seconds,
+                args.recursion_weight)
     trained_s = time.perf_counter() - started - generated_s
     save_mtp_head(head, args.out, dtype=torch.bfloat16)
 
@@ -315,12 +345,15 @@ def main(argv: list[str] | None = None) -> None:
         "generate_s": round(generated_s, 1), "train_s": round(trained_s, 1),
         "final_kl": sum(e["kl"] for e in tail) / len(tail),
         "final_top1_agree": sum(e["top1_agree"] for e in tail) / len(tail),
+        "recursion_weight": args.recursion_weight,
+        "final_top1_agree_second_draft": sum(e["top1_agree_second_draft"] for e in tail) / len(tail),
         "log": log,
     }
     with open(os.path.splitext(plot)[0] + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     print(f"saved {args.out}; loss curve {plot}; generate {generated_s:.0f} s, train {trained_s:.0f} s, "
-          f"final KL {summary['final_kl']:.3f}, top-1 agreement {summary['final_top1_agree']:.3f}")
+          f"final KL {summary['final_kl']:.3f}, top-1 agreement {summary['final_top1_agree']:.3f} "
+          f"(second draft {summary['final_top1_agree_second_draft']:.3f})")
 
 
 if __name__ == "__main__":
