@@ -2,6 +2,9 @@
 
 No downloaded data: the target answers these prompts itself. Training and held-out prompts
 use disjoint topic lists, so an evaluation on held-out prompts never sees a training topic.
+A share of the training prompts ask to copy or lightly edit a text given in the prompt (a
+record, a code snippet, a passage): answers that repeat context, where speculation pays most
+and which explanations alone never show the head.
 """
 
 from __future__ import annotations
@@ -45,15 +48,62 @@ FORMATS = [
 ]
 
 
+COPY_INSTRUCTIONS = [
+    "Copy this {kind} exactly:\n{text}", "Return this {kind} unchanged, with no comment:\n{text}",
+    "Here is a {kind}. Write it out again word for word.\n{text}",
+    "Rewrite this {kind}, changing nothing:\n{text}", "Repeat the following {kind} verbatim.\n{text}",
+]
+_ITEMS = ["lamp", "kettle", "backpack", "notebook", "scarf", "helmet", "blender", "tent", "jacket", "drill"]
+_COLOURS = ["red", "blue", "green", "black", "white", "orange", "grey", "yellow"]
+_VERBS = ["counts", "filters", "merges", "sorts", "groups", "checks", "loads", "cleans"]
+
+
+def _record_text(rng: random.Random) -> str:
+    item = rng.choice(_ITEMS)
+    fields = [f'"sku": "{item[:3].upper()}-{rng.randint(100, 999)}"', f'"product": "{rng.choice(_COLOURS)} {item}"',
+              f'"price": {rng.randint(5, 400)}.{rng.randint(0, 99):02d}', f'"stock": {rng.randint(0, 90)}',
+              f'"warehouse": "W{rng.randint(1, 9)}"', f'"on_sale": {rng.choice(["true", "false"])}']
+    return "{" + ", ".join(rng.sample(fields, rng.randint(3, len(fields)))) + "}"
+
+
+def _code_text(rng: random.Random) -> str:
+    verb, noun = rng.choice(_VERBS), rng.choice(_ITEMS)
+    return (f"def {verb}_{noun}s(rows, limit={rng.randint(2, 50)}):\n    kept = []\n    for row in rows:\n"
+            f"        if row.get(\"{noun}\") and len(kept) < limit:\n            kept.append(row)\n    return kept\n")
+
+
+def _passage_text(rng: random.Random) -> str:
+    topics = rng.sample(TRAIN_TOPICS, 3)
+    return (f"Notes on {topics[0]}: it connects to {topics[1]} in more ways than one might expect, "
+            f"and both say something about {topics[2]}.")
+
+
+_COPY_SOURCES = [("JSON record", _record_text), ("Python function", _code_text), ("passage", _passage_text)]
+
+
+def copy_prompts(count: int, seed: int) -> list[str]:
+    """`count` requests to repeat a generated record, code snippet or passage given in the prompt."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        kind, make = rng.choice(_COPY_SOURCES)
+        prompts.append(rng.choice(COPY_INSTRUCTIONS).format(kind=kind, text=make(rng)))
+    return prompts
+
+
 def _prompts(topics: list[str], count: int, seed: int) -> list[str]:
     combos = list(itertools.product(topics, INSTRUCTIONS, FORMATS))
     random.Random(seed).shuffle(combos)
     return [instruction.format(topic=topic) + fmt for topic, instruction, fmt in combos[:count]]
 
 
-def training_prompts(count: int, seed: int = 0) -> list[str]:
-    """`count` distinct user messages (at most topics x instructions x formats) on training topics."""
-    return _prompts(TRAIN_TOPICS, count, seed)
+def training_prompts(count: int, seed: int = 0, copy_share: float = 0.25) -> list[str]:
+    """`count` user messages: `copy_share` of them copy requests (`copy_prompts`), the rest distinct
+    questions (at most topics x instructions x formats) on training topics, shuffled together."""
+    copies = round(count * copy_share)
+    prompts = _prompts(TRAIN_TOPICS, count - copies, seed) + copy_prompts(copies, seed)
+    random.Random(seed).shuffle(prompts)
+    return prompts
 
 
 def held_out_prompts(count: int, seed: int = 1) -> list[str]:

@@ -4,8 +4,9 @@
     python tools/train_mtp.py --device cpu --num-prompts 16 --max-tokens 32 --steps 20 --out /tmp/head \
         --plot /tmp/head/loss.png
 
-1. Data: chat prompts built from templates (`tools/mtp_prompts.py`), answered by the target
-   itself through the fastdeploy engine, once greedy and once at temperature 0.7.
+1. Data: chat prompts built from templates (`tools/mtp_prompts.py`; `--copy-share` of them ask to
+   repeat a text given in the prompt), answered by the target itself through the fastdeploy
+   engine, once greedy and once at temperature 0.7.
 2. Targets: the frozen model's hidden states (after the final norm) at every position,
    from a dense causal forward of the engine's own weights (`tools/dense_llama.py`).
 3. Head: pair j = (hidden j-1, embedding of token j) → distribution of token j+1, i.e. token
@@ -265,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--num-prompts", type=int, default=3072, help="templated prompts, each answered twice")
+    p.add_argument("--copy-share", type=float, default=0.25,
+                   help="share of the prompts that ask to repeat a record, code snippet or passage given in them")
     p.add_argument("--max-tokens", type=int, default=256, help="longest continuation generated per prompt")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine batch while generating")
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.generator == "dense":
         target, config = get_model(args.model, dtype=dtype, device=args.device, gguf_quantized=False)
         seqs = generate_sequences_dense(target, get_tokenizer(args.model),
-                                        training_prompts(args.num_prompts, args.seed), args.max_tokens,
+                                        training_prompts(args.num_prompts, args.seed, args.copy_share), args.max_tokens,
                                         args.temperatures, list(config.eos_token_ids), args.seed,
                                         args.max_num_seqs, args.max_generate_seconds)
     else:
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         # a GGUF's projections in their 4-bit blocks (no state dict to start the head from, no backward).
         target = llm.engine.executor.runner.model if args.device.startswith("cuda") else \
             get_model(args.model, dtype=dtype, device=args.device, gguf_quantized=False)[0]
-        seqs = generate_sequences(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens,
+        seqs = generate_sequences(llm, training_prompts(args.num_prompts, args.seed, args.copy_share), args.max_tokens,
                                   args.temperatures, args.seed)
     generated_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in seqs)
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         "generate_s": round(generated_s, 1), "train_s": round(trained_s, 1),
         "final_kl": sum(e["kl"] for e in tail) / len(tail),
         "final_top1_agree": sum(e["top1_agree"] for e in tail) / len(tail),
-        "recursion_weight": args.recursion_weight,
+        "recursion_weight": args.recursion_weight, "copy_share": args.copy_share,
         "final_top1_agree_second_draft": sum(e["top1_agree_second_draft"] for e in tail) / len(tail),
         "log": log,
     }
