@@ -82,13 +82,13 @@ _COPY_SOURCES = [("JSON record", _record_text), ("Python function", _code_text),
 
 
 def copy_prompts(count: int, seed: int) -> list[str]:
-    """`count` requests to repeat a generated record, code snippet or passage given in the prompt."""
+    """`count` distinct requests to repeat a generated record, code snippet or passage given in the prompt."""
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
+    prompts: dict[str, None] = {}  # insertion-ordered set
+    while len(prompts) < count:
         kind, make = rng.choice(_COPY_SOURCES)
-        prompts.append(rng.choice(COPY_INSTRUCTIONS).format(kind=kind, text=make(rng)))
-    return prompts
+        prompts[rng.choice(COPY_INSTRUCTIONS).format(kind=kind, text=make(rng))] = None
+    return list(prompts)
 
 
 def _prompts(topics: list[str], count: int, seed: int) -> list[str]:
