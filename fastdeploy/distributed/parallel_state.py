@@ -36,9 +36,6 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# PyTorch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 # The symmetric buffer's size: covers the decode steps of the bundled 8B shapes (hidden 4096,
 # bf16: 1,024 rows); prefill chunks beyond it use NCCL, whose bandwidth wins there anyway.
@@ -127,24 +124,21 @@ class SymmetricAllReduce:
         alternate by call: a rank writes one while rank 0 may still read the other (`gather_logits`)."""
         if rows * cols * 4 > LOGITS_BUFFER_BYTES:
             return None
-        start = self._logits_region_start()
+        start = self.logits_start + (self._logits_calls % LOGITS_REGIONS) * LOGITS_BUFFER_BYTES
         return self.buffer[start:start + rows * cols * 4].view(torch.float32).view(rows, cols)
 
     def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `logits_slot` side by side; other ranks: `shard` (their own columns)."""
         from fastdeploy.distributed.gather_kernel import gather_columns
 
-        start = self._logits_region_start()
-        self._logits_calls += 1
+        self._logits_calls += 1  # the next `logits_slot` is the other region
         # Every rank's product is in its region. A rank writes this region again two calls on,
         # after the next call's barrier, which rank 0 reaches only once this read is done.
         self.handle.barrier(channel=0)
         if self.rank != 0:
             return shard
-        return gather_columns(self.buffers, start // 4, (shard.shape[0], shard.shape[1]), shard.dtype)
-
-    def _logits_region_start(self) -> int:
-        return self.logits_start + (self._logits_calls % LOGITS_REGIONS) * LOGITS_BUFFER_BYTES
+        offset = (shard.data_ptr() - self.buffer.data_ptr()) // shard.element_size()  # the same on every rank
+        return gather_columns(self.buffers, offset, (shard.shape[0], shard.shape[1]), shard.dtype)
 
 
 @dataclass
@@ -265,12 +259,9 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's shard along the last dimension (vocabulary-parallel logits)."""
     if _STATE.size == 1:
         return x
-    x = x.contiguous()
-    # One collective into one tensor, [ranks * rows, cols], then one copy into [rows, ranks * cols]
-    # (a list of outputs costs a copy per rank and the concatenation another).
-    stacked = torch.empty((_STATE.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _gather_into(stacked, x)
-    return stacked.view(_STATE.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
+    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

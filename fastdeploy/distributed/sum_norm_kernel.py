@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.common.devices import multiprocessors
+
 # A rank that waits this long for a peer's partial stops the device (a trap) instead of hanging:
 # the peer died or left the step sequence the ranks share.
 WAIT_LIMIT_NS = 30_000_000_000
@@ -98,17 +100,6 @@ def _exchange_sum_add_rms_norm_kernel(
         tl.store(Out + at, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
 
 
-_RESIDENT_PROGRAMS: dict[int, int] = {}
-
-
-def _resident_programs(device: torch.device) -> int:
-    """Programs of the kernel that surely run at once: one per multiprocessor."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _RESIDENT_PROGRAMS:
-        _RESIDENT_PROGRAMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _RESIDENT_PROGRAMS[index]
-
-
 def exchange_sum_add_rms_norm(buffers: torch.Tensor, rank: int, inbox: int, region: int, shape: tuple[int, int],
                               residual: torch.Tensor, weight: torch.Tensor, eps: float
                               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +112,8 @@ def exchange_sum_add_rms_norm(buffers: torch.Tensor, rank: int, inbox: int, regi
     integer, sentinel, sent_as = _SENTINELS[residual.element_size() * 8]
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
-    grid = (max(1, min(rows, _resident_programs(residual.device))),)
+    # One program per multiprocessor at most: every program surely runs at once.
+    grid = (max(1, min(rows, multiprocessors(residual.device))),)
     _exchange_sum_add_rms_norm_kernel[grid](
         buffers, inbox, region, rank, residual, weight, out, res_out, rows, cols, eps, WAIT_LIMIT_NS,
         WORLD=buffers.numel(), INT=integer, SENTINEL=sentinel, SENT_AS=sent_as,

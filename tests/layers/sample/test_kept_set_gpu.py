@@ -102,13 +102,13 @@ def _kernel_kept_set(x, t, k, p, mp) -> KeptSet:
     assert torch.equal(logz, b.logz)
     # The compaction as a small batch runs it on a GPU: rows split into chunks, each program
     # counting the kept logits before its own chunk.
-    sms, part_block = ksg._multiprocessors, ksg.COMPACT_PART_BLOCK
-    ksg._multiprocessors, ksg.COMPACT_PART_BLOCK = (lambda device: 4 * x.shape[0]), 16
+    sms, part_block = ksg.multiprocessors, ksg.COMPACT_PART_BLOCK
+    ksg.multiprocessors, ksg.COMPACT_PART_BLOCK = (lambda device: 4 * x.shape[0]), 16
     try:
         assert ksg._compact_split(x.shape[0], x.shape[1], x.device)[0] > 1 or x.shape[1] <= 16
         split = ksg.compact(x, b, offsets, int(offsets[-1]))
     finally:
-        ksg._multiprocessors, ksg.COMPACT_PART_BLOCK = sms, part_block
+        ksg.multiprocessors, ksg.COMPACT_PART_BLOCK = sms, part_block
     assert torch.equal(split, ids)
     return KeptSet(mask, b.count, b.logz)
 

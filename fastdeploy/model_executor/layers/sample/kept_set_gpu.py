@@ -56,13 +56,13 @@ buffer sized by the caller, so that path reads nothing back.
 
 from __future__ import annotations
 
-import functools
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.common.devices import multiprocessors
 from fastdeploy.model_executor.layers.sample import kept_set_mask_kernels as mask_kernels
 from fastdeploy.model_executor.layers.sample import kept_set_prefilter as prefilter_module
 from fastdeploy.model_executor.layers.sample import kept_set_search_kernels as search_kernels
@@ -290,23 +290,15 @@ def _compact_split(rows: int, v: int, device: torch.device) -> tuple[int, int]:
     (benchmarks/mask_compaction.py) one program per row with 4,096-logit steps is fastest
     from about one row per SM up; fewer rows are split into chunks of 2,048-logit steps,
     about two programs per SM, each recounting the kept logits before its chunk."""
-    if rows >= _multiprocessors(device):
+    if rows >= multiprocessors(device):
         return 1, COMPACT_ROW_BLOCK
     return _compact_parts(rows, v, device), COMPACT_PART_BLOCK
 
 
 def _compact_parts(rows: int, v: int, device: torch.device) -> int:
     """Chunks per row that put about two programs on each SM (at most COMPACT_MAX_PARTS)."""
-    parts = min(COMPACT_MAX_PARTS, triton.cdiv(2 * _multiprocessors(device), rows), triton.cdiv(v, COMPACT_PART_BLOCK))
+    parts = min(COMPACT_MAX_PARTS, triton.cdiv(2 * multiprocessors(device), rows), triton.cdiv(v, COMPACT_PART_BLOCK))
     return max(1, parts)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 for CPU tensors (Triton's interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kept_set(
