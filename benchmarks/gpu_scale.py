@@ -294,6 +294,8 @@ def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
                         f"{name}_identical": sum(a == b for a, b in zip(tokens[name], tokens["off"], strict=True)),
                         # What the draft policy measured and chose, per batch-size class, by now.
                         f"{name}_policy": llms[name].engine.draft_policy.describe()
+                        if llms[name].engine.draft_policy is not None else None,
+                        f"{name}_policy_details": llms[name].engine.draft_policy.details()
                         if llms[name].engine.draft_policy is not None else None})
             out.put(f"{name}_speedup", batch, ratio)
         out.details["rows"].append(row)

@@ -77,6 +77,8 @@ class _Arm:
     warmed: bool = False  # the cap's first step in its class, not counted, has run
     last_step: int = 0  # the class's step count when this cap last ran
     pipelined: bool = False  # cap 0: its figures are those of steps sent ahead
+    steps_seen: int = 0  # the steps observed under this cap (the warm-up step not counted)
+    steps_ahead: int = 0  # of those, the ones sent ahead of the step before them
 
     @property
     def rate(self) -> float:
@@ -176,6 +178,8 @@ class DraftPolicy:
             # a buffer grows): it measures that, not the cap.
             arm.warmed = True
             return
+        arm.steps_seen += 1
+        arm.steps_ahead += sent_ahead
         if cap == 0 and self.pipelined_zero:
             if not sent_ahead:
                 _add(group.zero_in_turn, num_rows, num_tokens, seconds)
@@ -184,7 +188,8 @@ class DraftPolicy:
             elif not arm.pipelined:
                 # The first step sent ahead: the in-turn ones measured the cap as it runs between
                 # drafted steps, not as it runs when chosen.
-                group.arms[0] = arm = _Arm(warmed=True, last_step=arm.last_step, pipelined=True)
+                group.arms[0] = arm = _Arm(warmed=True, last_step=arm.last_step, pipelined=True,
+                                           steps_seen=arm.steps_seen, steps_ahead=arm.steps_ahead)
         _add(arm, num_rows, num_tokens, seconds)
 
     def describe(self) -> str:
@@ -201,6 +206,22 @@ class DraftPolicy:
             rates = ", ".join(f"{k}: {arm.rate:.0f}" for k, arm in sorted(group.arms.items()) if arm.rows > 0)
             parts.append(f"{rows} seqs -> {best} ({rates})")
         return "; ".join(parts) or "none measured yet"
+
+    def details(self) -> dict[str, dict]:
+        """Per batch-size class, what each cap was measured at: tokens per sequence per second,
+        seconds a step, steps seen and how many of them were sent ahead (benchmarks record this
+        beside their speed-ups: a cap that looks slow only in turn shows here)."""
+        out: dict[str, dict] = {}
+        for key in sorted(self.classes):
+            group = self.classes[key]
+            low, high = 1 << (key - 1), (1 << key) - 1
+            caps = {str(k): {"rate": round(arm.rate, 1), "step_ms": round(1e3 * arm.step_seconds, 3),
+                             "steps": arm.steps_seen, "sent_ahead": arm.steps_ahead}
+                    for k, arm in sorted(group.arms.items()) if arm.steps_seen}
+            in_turn = group.zero_in_turn
+            in_turn_ms = round(1e3 * in_turn.step_seconds, 3) if in_turn.weight else None
+            out[f"{low}-{high}"] = {"best": _best_measured(group), "caps": caps, "zero_in_turn_step_ms": in_turn_ms}
+        return out
 
     def _first_caps(self, key: int, caps: list[int]) -> tuple[int, ...]:
         """The caps a new class measures first: the best of a measured neighbouring class; else

@@ -273,3 +273,22 @@ def test_a_lone_request_whose_drafts_pay_is_not_misled_by_its_first_tries():
     rates = [run_pipelined(DraftPolicy(4, pipelined_zero=True), 1, 256, step_ms, 1.09, acceptance, seed)[0] / 1e3
              for seed in range(16)]
     assert min(rates) >= 0.85 * best, [round(r / best, 3) for r in rates]
+
+
+def test_details_count_each_caps_steps_and_those_sent_ahead():
+    policy = DraftPolicy(2, pipelined_zero=True)
+    policy.observe(64, 0, 64, 0.004)  # warm-up step: not counted
+    policy.observe(64, 0, 64, 0.004)  # in turn
+    for _ in range(3):
+        policy.observe(64, 0, 64, 0.002, sent_ahead=True)
+    policy.observe(64, 1, 64, 0.003)  # warm-up
+    policy.observe(64, 1, 96, 0.003, sent_ahead=True)
+    cls = policy.details()["64-127"]
+    assert cls["caps"]["0"]["steps"] == 4 and cls["caps"]["0"]["sent_ahead"] == 3
+    # Cap 0's figures are its steps sent ahead; the in-turn one is kept apart.
+    assert cls["caps"]["0"]["step_ms"] == pytest.approx(2.0)
+    assert cls["zero_in_turn_step_ms"] == pytest.approx(4.0)
+    assert cls["caps"]["1"] == {"rate": pytest.approx(1.5 / 0.003, rel=1e-3), "step_ms": pytest.approx(3.0),
+                                "steps": 1, "sent_ahead": 1}
+    assert cls["best"] == 1
+    assert "2" not in cls["caps"]
