@@ -200,6 +200,40 @@ def test_fields_that_ask_nothing_of_the_output_are_taken():
     assert ChatCompletionRequest.model_validate(body).to_sampling_params().n == 1
 
 
+@pytest.mark.parametrize(("field", "value"), [("store", "yes"), ("metadata", {"a": 1}), ("metadata", ["a"]),
+                                              ("metadata", {str(i): "v" for i in range(17)}),
+                                              ("metadata", {"k" * 65: "v"}), ("service_tier", "fastest"),
+                                              ("prediction", "text"), ("prediction", {"type": "image"}),
+                                              ("parallel_tool_calls", 1), ("user", 7)])
+def test_bookkeeping_fields_of_the_wrong_type_are_refused(field, value):
+    """Taken and unused, but typed as OpenAI types them: a client's wrong type is a 400 here too."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], field: value}
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(body)
+    assert validation_message(caught.value.errors(include_url=False))[1] == field
+
+
+def test_a_prediction_of_content_is_taken():
+    body = {"messages": [{"role": "user", "content": "Hi"}], "store": None,
+            "prediction": {"type": "content", "content": [{"type": "text", "text": "Hello"}]}}
+    assert ChatCompletionRequest.model_validate(body).to_sampling_params().n == 1
+
+
+@pytest.mark.parametrize("key", ["01", "00001", "+1", "1.0", " 1", "x", "", "1" * 20])
+def test_a_logit_bias_key_is_a_token_id_written_plainly(key):
+    """"01" and "1" would be one token twice (with two biases)."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"prompt": "Hi", "logit_bias": {key: 1.0}})
+    message, param = validation_message(caught.value.errors(include_url=False))
+    assert param == "logit_bias"
+    assert repr(key) in message
+
+
+def test_logit_bias_keys_zero_and_plain_numbers_are_taken():
+    params = CompletionRequest.model_validate({"prompt": "Hi", "logit_bias": {"0": 1.5, "12": -3}}).to_sampling_params()
+    assert params.logit_bias == {0: 1.5, 12: -3.0}
+
+
 @pytest.mark.parametrize("prompt", [[True, 2], [1.0, 2], [[3, False]]])
 def test_token_ids_are_json_integers(prompt):
     with pytest.raises(ValidationError):

@@ -53,6 +53,9 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
         # A JSON array or scalar, or a body sent as another content type (read as raw bytes).
         return "the request body must be a JSON object, sent as Content-Type: application/json", None
     loc = loc[:1] + [p for p in loc[1:] if "[" not in p and p not in _MEMBER_TAGS]
+    if first.get("type") == "string_pattern_mismatch" and loc[:1] == ["logit_bias"]:
+        return (f"logit_bias key {first.get('input')!r} is not a token id (a decimal number without leading zeros)",
+                "logit_bias")
     if first.get("type") == "extra_forbidden" and loc:
         # At any depth (`messages.0.tool_calls`, `stream_options.foo`): named, as a top-level one is.
         return f"request argument `{'.'.join(loc)}` is not supported by this server", loc[0]

@@ -14,6 +14,7 @@ from fastdeploy.entrypoints.openai.request_limits import (
     Count,
     LogitBias,
     LogprobCount,
+    Metadata,
     PromptTexts,
     PromptTokenLists,
     Seed,
@@ -26,8 +27,6 @@ from fastdeploy.entrypoints.openai.request_limits import (
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structural_tag")
-# OpenAI fields taken and ignored: bookkeeping and hints that ask nothing of the output.
-IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "prediction", "parallel_tool_calls"})
 # OpenAI fields taken only at a value that asks for nothing (no tools, text output; "auto" picks
 # among no tools); any other value asks for what this server does not do, and is refused like an
 # unknown field.
@@ -110,6 +109,14 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output (a hint for its own speculative decoding)."""
+
+    model_config = STRICT_JSON
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class CommonRequest(BaseModel):
     """Fields shared by chat and completions, including the extra sampling fields."""
 
@@ -137,7 +144,14 @@ class CommonRequest(BaseModel):
     return_sampling_mask: bool | None = None
     # "ids": sorted id lists; "bitmap": base64 of ceil(V/8) bytes per token; None: the server's default.
     sampling_mask_format: Literal["ids", "bitmap"] | None = None
+    # OpenAI's bookkeeping and hints: they ask nothing of the output and are not used. Typed as
+    # OpenAI types them, so a client's wrong type is the 400 it would be there.
     user: str | None = None
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prediction: Prediction | None = None
+    parallel_tool_calls: bool | None = None
     # Structured output; at most one form per request.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -153,8 +167,8 @@ class CommonRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def drop_inert_fields(cls, data: Any) -> Any:
-        """Drop the OpenAI fields that ask nothing of this server (see IGNORED_FIELDS)."""
-        return drop_inert(data, cls.model_fields, IGNORED_FIELDS, NEUTRAL_VALUES)
+        """Drop the OpenAI fields that ask nothing of this server (see NEUTRAL_VALUES)."""
+        return drop_inert(data, cls.model_fields, frozenset(), NEUTRAL_VALUES)
 
     def guided_field(self) -> str | None:
         """The structured-output field this request used, for naming it in errors."""

@@ -39,9 +39,14 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
-# OpenAI's logit_bias maps token ids, written as decimal strings, to a bias in [-100, 100].
-LogitBiasKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,19}$")]
+# OpenAI's logit_bias maps token ids, written as decimal strings, to a bias in [-100, 100]. No
+# leading zeros: "01" and "1" would name one token twice, with two biases.
+LogitBiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,18})$")]
 LogitBias = Annotated[dict[LogitBiasKey, float], Field(max_length=MAX_LOGIT_BIAS)]
+# OpenAI's request metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 PromptTexts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
 PromptTokenLists = Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 
