@@ -81,6 +81,22 @@ def test_arbitrary_bytes_are_json_or_a_400(raw):
     assert error is None or (error.status == 400 and error.message)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_body_in_another_unicode_encoding_is_named_so(encoding):
+    """The parser calls such bytes "surrogates not allowed" (or an unexpected character): the 400
+    says what is wrong with them instead."""
+    error = json_error(json.dumps({"prompt": "Hi there"}).encode(encoding), 64)
+    assert error is not None and error.status == 400
+    assert "UTF-16 or UTF-32" in error.message and "must be UTF-8" in error.message
+    assert "surrogate" not in error.message
+
+
+def test_a_latin1_body_is_named_not_utf8():
+    error = json_error('{"prompt": "café"}'.encode("latin-1"), 64)
+    assert error is not None
+    assert "not UTF-8 (invalid byte at offset 15)" in error.message and "surrogate" not in error.message
+
+
 FIELDS = ["prompt", "messages", "n", "best_of", "seed", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "logprobs", "top_logprobs", "stop", "stop_token_ids", "logit_bias",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "sampling_mask_format", "response_format",

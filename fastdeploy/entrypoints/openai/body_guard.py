@@ -37,14 +37,28 @@ def deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+def not_json_message(body: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why `body` is no JSON, in words that fit the cause. The parser reports bytes that are not
+    UTF-8 (a Latin-1 or UTF-16 body) as "surrogates not allowed", which names the wrong fault."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        wide = body[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in body[:4]
+        likely = ", likely UTF-16 or UTF-32" if wide else ""
+        return (f"the request body is not valid JSON: it is not UTF-8 (invalid byte at offset {bad.start}{likely}); "
+                "JSON text must be UTF-8")
+    if body.count(b"\x00") * 4 >= len(body) > 0:
+        return "the request body is not valid JSON: it looks like UTF-16 or UTF-32; JSON text must be UTF-8"
+    hint = " (a lone UTF-16 surrogate such as \\ud800 is no character)" if "surrogate" in str(exc) else ""
+    return f"the request body is not valid JSON: {exc}{hint}"
+
+
 def json_error(body: bytes, max_depth: int) -> APIError | None:
     """The 400 for a body that is not strict JSON or nests too deep, or None."""
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        hint = " (a lone UTF-16 surrogate such as \\ud800 is no character)" if "surrogate" in str(exc) else ""
-        return APIError(400, f"the request body is not valid JSON: {exc}{hint}", "invalid_request_error", None,
-                        "invalid_json")
+        return APIError(400, not_json_message(body, exc), "invalid_request_error", None, "invalid_json")
     # Counting brackets is a bound on the depth that costs no Python per byte.
     if body.count(b"[") + body.count(b"{") > max_depth and deeper_than(value, max_depth):
         return APIError(400, f"the request body nests objects and arrays more than {max_depth} levels deep "
