@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 import msgspec
@@ -58,7 +60,13 @@ class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self._dir = tempfile.mkdtemp(prefix="fastdeploy-tp-") if config.tensor_parallel_size > 1 else None
         self.followers = spawn_followers(config, self._dir) if self._dir else []
-        self.runner = ModelRunner(config, 0, tp_init_file(self._dir) if self._dir else None)
+        try:
+            # Rank 0 runs here, so nothing outside can stop its wait for a lost rank: it looks itself.
+            self.runner = ModelRunner(config, 0, tp_init_file(self._dir) if self._dir else None,
+                                      check_ranks=functools.partial(raise_if_a_follower_exited, self.followers))
+        except BaseException:
+            self._stop_followers(grace_s=0.0)  # they wait for rank 0 in the group's set-up
+            raise
         self.info = self.runner.info
         self.runs_beside_engine = self.runner.device.type == "cuda"
 
@@ -67,13 +75,25 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         self.runner.shutdown()  # with the followers, which leave the group as they stop
+        self._stop_followers(grace_s=5.0)
+
+    def _stop_followers(self, grace_s: float) -> None:
         for process in self.followers:
-            process.join(timeout=5)
+            process.join(timeout=grace_s)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
         self.followers = []
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def raise_if_a_follower_exited(followers: list[BaseProcess]) -> None:
+    """WorkerError naming the first tensor-parallel rank (1..N-1) of `followers` that has exited."""
+    for rank, follower in enumerate(followers, start=1):
+        if not follower.is_alive():
+            raise WorkerError(f"worker failed to start: tensor-parallel rank {rank} exited (exit code "
+                              f"{follower.exitcode}); its error is in the log above")
 
 
 # How often the start-up wait looks at the tensor-parallel ranks beside rank 0.
@@ -138,12 +158,12 @@ class WorkerProcessExecutor:
             except TimeoutError as exc:
                 if time.monotonic() >= deadline:
                     raise WorkerError(f"worker process lost: no message in {timeout_s:.0f} s") from exc
-            for rank, follower in enumerate(self.followers, start=1):
-                if not follower.is_alive():
-                    for process in (self.process, *self.followers):  # rank 0 waits in the group's set-up
-                        process.kill()
-                    raise WorkerError(f"worker failed to start: tensor-parallel rank {rank} exited (exit code "
-                                      f"{follower.exitcode}); its error is in the log above")
+            try:
+                raise_if_a_follower_exited(self.followers)
+            except WorkerError:
+                for process in (self.process, *self.followers):  # rank 0 waits in the group's set-up
+                    process.kill()
+                raise
 
     def _recv(self, timeout_s: float) -> list[bytes]:
         try:

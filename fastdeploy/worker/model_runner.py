@@ -46,7 +46,7 @@ from fastdeploy.worker.mtp_step import MTPStep
 from fastdeploy.worker.sequence_state import WorkerSequence
 from fastdeploy.worker.startup_timing import StartupTimes
 from fastdeploy.worker.step_output import StepOutput
-from fastdeploy.worker.tp_startup import PlanChannel, start_tensor_parallel
+from fastdeploy.worker.tp_startup import PlanChannel, StartupGate, start_tensor_parallel
 from fastdeploy.worker.verify_kernels import VerifiedSlots
 from fastdeploy.worker.warmup import PendingSampler, SamplerWarmUp, start_sampler_compile, warmed_up_sampler
 
@@ -69,12 +69,16 @@ class WorkerInfo:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_file: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_file: str | None = None,
+                 check_ranks: Callable[[], None] | None = None) -> None:
         """`rank`, `dist_init_file`: this worker's place in a tensor-parallel group of
-        `config.tensor_parallel_size` processes (rank 0 samples and talks to the engine)."""
+        `config.tensor_parallel_size` processes (rank 0 samples and talks to the engine).
+        `check_ranks` (rank 0): raises once another rank of the group has died."""
         self.config = config
         times = StartupTimes()
+        gate = StartupGate(dist_init_file, rank, config.tensor_parallel_size, check_ranks)
         with times.phase("tensor parallel"):
+            gate.reach("join")
             self.device = start_tensor_parallel(config, rank, dist_init_file)
             # Made before the collectives below, so every follower is connected when rank 0 first sends.
             self._plans = PlanChannel(dist_init_file)
@@ -90,6 +94,7 @@ class ModelRunner:
         # This rank's share of the attention heads: what its KV cache holds.
         cache_model_config = local_config(self.model_config, config.tensor_parallel_size)
         self.block_size = config.cache.block_size
+        gate.reach("weights")  # the slowest, likeliest phase to fail: before the next collective
         with times.phase("KV cache"):
             # Every rank must agree on the pool the engine hands out block ids from.
             self.num_blocks = all_reduce_min(config.cache.num_blocks or num_kv_blocks(

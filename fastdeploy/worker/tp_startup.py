@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -12,6 +14,11 @@ from fastdeploy.common.config import EngineConfig, check_speculation_fits_ranks
 from fastdeploy.common.ipc import endpoint, socket
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.distributed.parallel_state import init_tensor_parallel, tp_rank, tp_size
+
+# How long a tensor-parallel group's start-up waits for a rank (its rendezvous' timeout too).
+GROUP_TIMEOUT_S = 600.0
+# How often rank 0 looks for the other ranks' marks (a stat call each).
+GATE_POLL_S = 0.05
 
 
 class ForwardPlan(msgspec.Struct, array_like=True):
@@ -33,8 +40,52 @@ def start_tensor_parallel(config: EngineConfig, rank: int, dist_init_file: str |
         if device.type == "cuda":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        init_tensor_parallel(rank, tp, dist_init_file, device, custom_all_reduce=not config.disable_custom_all_reduce)
+        init_tensor_parallel(rank, tp, dist_init_file, device, timeout_s=GROUP_TIMEOUT_S,
+                             custom_all_reduce=not config.disable_custom_all_reduce)
     return device
+
+
+class StartupGate:
+    """Meeting points of a tensor-parallel group's start-up, outside its collectives.
+
+    Each rank marks a point reached with a file beside the group's rendezvous file; rank 0 waits
+    for every rank's mark, calling `check_ranks` between looks. A rank that dies before a point
+    (a bad model directory, out of memory while loading) then ends rank 0's wait at once where
+    the group's own rendezvous or first collective would hold it for the group's timeout. Rank 0
+    of a worker process passes no check: the engine watches the ranks and stops it instead."""
+
+    def __init__(self, rendezvous_file: str | None, rank: int, size: int,
+                 check_ranks: Callable[[], None] | None = None, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        self._file = rendezvous_file if size > 1 else None
+        self._rank, self._size = rank, size
+        self._check_ranks = check_ranks
+        self._timeout_s = timeout_s
+
+    def reach(self, point: str) -> None:
+        """Mark `point` reached; rank 0 returns once every rank has marked it."""
+        if self._file is None:
+            return
+        with open(self._mark(point, self._rank), "w"):
+            pass
+        if self._rank != 0:
+            return
+        deadline = time.monotonic() + self._timeout_s
+        missing = list(range(1, self._size))
+        while True:
+            missing = [rank for rank in missing if not os.path.exists(self._mark(point, rank))]
+            if not missing:
+                return
+            if self._check_ranks is not None:
+                self._check_ranks()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks {missing} did not reach start-up point {point!r} "
+                                   f"within {self._timeout_s:.0f} s")
+            time.sleep(GATE_POLL_S)
+
+    def _mark(self, point: str, rank: int) -> str:
+        assert self._file is not None
+        return f"{self._file}.{point}.{rank}"
+
 
 
 class PlanChannel:

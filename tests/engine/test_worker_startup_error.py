@@ -46,3 +46,30 @@ def test_a_tensor_parallel_rank_that_exits_during_start_up_ends_the_wait(tmp_pat
     finally:
         for process in (workers.rank0, *workers.followers):
             process.kill()
+
+
+def test_an_in_process_rank_0_stops_waiting_for_a_rank_that_exits_during_start_up(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Offline use runs rank 0 in the caller's process, where no engine can stop it: rank 0
+    itself sees the lost rank at the group's first meeting point, raises, and stops the rest."""
+    from fastdeploy.engine import executor as executor_module
+
+    spawned: list = []
+    real = executor_module.spawn_followers
+    monkeypatch.setattr(executor_module, "spawn_followers",
+                        lambda config, directory: _killed_first(real(config, directory), spawned))
+    model_dir = save_random_qwen2(tmp_path / "model", vocab_size=256)
+    config = EngineConfig(model=model_dir, device="cpu", dtype="float32", tensor_parallel_size=2,
+                          guided_decoding_backend="off")
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="tensor-parallel rank 1 exited"):
+        executor_module.InProcessExecutor(config)
+    assert time.monotonic() - start < 60
+    assert spawned and not any(process.is_alive() for process in spawned)
+
+
+def _killed_first(followers: list, spawned: list) -> list:
+    followers[0].kill()
+    followers[0].join(timeout=10)
+    spawned.extend(followers)
+    return followers
