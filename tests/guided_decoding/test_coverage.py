@@ -211,3 +211,40 @@ def test_jsonschemabench_is_enforced_or_refused(llg_tokenizer):
         for backend in ("xgrammar", "llguidance"):
             assert audit(JSB_DIR / r.name, llg_tokenizer, backend).backend is None, (r.name, backend)
     assert len(results) == 230 and picked["xgrammar"] >= 180 and len(refused) <= 38
+
+
+# Patterns with a literal that a JSON string writes escaped: (pattern, text xgrammar's grammar
+# admits although it is no JSON string of a matching value, the same value written as JSON).
+UNESCAPED_LITERALS = [
+    ('^"[a-z]+"$', '""ab""', json.dumps('"ab"')),  # the quote closes the string early: not JSON
+    ("^\\x22$", '"""', json.dumps('"')),
+    ("^a\\\\b$", '"a\\b"', json.dumps("a\\b")),  # JSON's \b: "a" and a backspace, not a\b
+    ("^\\t$", '"\t"', json.dumps("\t")),  # a raw tab: no JSON string
+]
+
+
+@pytest.mark.parametrize(("pattern", "unescaped", "escaped"), UNESCAPED_LITERALS)
+def test_a_pattern_literal_that_json_escapes_goes_to_a_backend_that_escapes_it(pattern, unescaped, escaped,
+                                                                              llg_tokenizer):
+    schema = {"type": "object", "properties": {"q": {"type": "string", "pattern": pattern}}, "required": ["q"]}
+    wrap = '{{"q": {}}}'.format
+    assert schema_validity(schema, json.loads(wrap(escaped))) is True
+    # The gap is real: xgrammar admits the unescaped text and refuses the escaped one.
+    assert accepts(pinned(schema, "xgrammar"), wrap(unescaped), llg_tokenizer)
+    assert not accepts(pinned(schema, "xgrammar"), wrap(escaped), llg_tokenizer)
+    assert [g.keyword for g in schema_gaps(schema, "xgrammar")] == ["pattern"]
+    chosen = resolve_guided_spec(guided_spec_from_request({"guided_json": schema}), "auto")
+    assert chosen.backend == "llguidance"
+    assert accepts(chosen, wrap(escaped), llg_tokenizer)
+    assert not accepts(chosen, wrap(unescaped), llg_tokenizer)
+
+
+@pytest.mark.parametrize("pattern", ["^.{3}$", "^[^x]{2}$", '^[a"]+$', "^[ -~]{1,3}$", "^[a-z\\n]+$", "^\\W$",
+                                     "^\\d{3}-\\d{4}$", "^[A-Z]{2}-[0-9]{3}$"])
+def test_classes_and_dots_stay_on_xgrammar_which_leaves_the_escaped_characters_out(pattern, llg_tokenizer):
+    """Stricter, never looser: xgrammar's classes admit no quote, backslash or control character."""
+    schema = {"type": "string", "pattern": pattern}
+    assert schema_gaps(schema, "xgrammar") == []
+    spec = pinned(schema, "xgrammar")
+    for raw in ('"', "\\", "\t", "\x01"):
+        assert not any(accepts(spec, '"' + raw * n + '"', llg_tokenizer) for n in (1, 2, 3))

@@ -175,6 +175,46 @@ def _name_rule_gap(node: dict, keyword: str) -> str | None:
     return None
 
 
+# Characters a JSON string writes escaped. xgrammar puts a `pattern`'s literal characters into
+# the string's grammar as they are: a literal quote closes the string early, a backslash starts an
+# escape (`a\\b` lets `"a\b"` through: "a" and a backspace), a tab is a raw control character.
+# Its character classes and `.` leave these characters out instead (stricter: allowed).
+_JSON_ESCAPED = frozenset({ord('"'), ord("\\"), *range(0x20)})
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+
+
+def _pattern_has_escaped_literal(pattern: str) -> bool:
+    """Whether `pattern` has a literal character (outside any class) that JSON writes escaped; a
+    pattern Python's parser cannot read counts as having one (erring strict)."""
+    if '"' not in pattern and "\\" not in pattern and all(ord(c) >= 0x20 for c in pattern):
+        return False
+    try:
+        # ECMA-262 and Python regexes agree on literals and escapes; `re._parser` is the parser
+        # `re.compile` itself uses (no public API gives the parsed tree).
+        tree = re._parser.parse(pattern)  # type: ignore[attr-defined]
+    except (re.error, OverflowError, RecursionError):
+        return True
+    stack = [tree]
+    while stack:
+        for op, arg in stack.pop():
+            name = str(op)
+            if name == "LITERAL" and arg in _JSON_ESCAPED:
+                return True
+            if name == "SUBPATTERN":
+                stack.append(arg[3])
+            elif name == "BRANCH":
+                stack.extend(arg[1])
+            elif name in _REPEATS:
+                stack.append(arg[2])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                stack.append(arg[1])
+            elif name == "ATOMIC_GROUP":
+                stack.append(arg)
+            elif name == "GROUPREF_EXISTS":
+                stack.extend(branch for branch in arg[1:] if branch is not None)
+    return False
+
+
 def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
     keys = [k for k in node if k in CONSTRAINTS]
     gaps = [Gap(k, path) for k in keys if k in _XGRAMMAR_NEVER]
@@ -232,6 +272,8 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
         for k in ("minLength", "maxLength"):
             if k in node:
                 gap(k, "beside `pattern`")
+        if isinstance(node["pattern"], str) and _pattern_has_escaped_literal(node["pattern"]):
+            gap("pattern", "a literal quote, backslash or control character (written unescaped)")
     if "multipleOf" in node and (types is None or types - {"integer"} or not isinstance(node["multipleOf"], int)):
         gap("multipleOf", "only integer multiples of an integer type are enforced")
     for k in ("exclusiveMinimum", "exclusiveMaximum"):
