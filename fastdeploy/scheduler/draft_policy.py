@@ -97,6 +97,10 @@ class _BatchClass:
     # Steps without drafts that went in turn, where others are sent ahead: apart from cap 0's
     # figures (which, once any step was sent ahead, are those of the steps sent ahead).
     zero_in_turn: _Arm = field(default_factory=_Arm)
+    # Steps without drafts right after a step with drafts (a switch), kept for `details` only:
+    # they count in cap 0's figures like any other of its steps.
+    zero_after_drafts: _Arm = field(default_factory=_Arm)
+    last_cap: int = 0  # the cap of the class's last observed step
     # The caps measured first: both ends, all drafts before none (where drafts pay, a lone
     # request, the first steps do too); or one cap that measured classes point to (a server's
     # batch drifts through several classes as requests come and go, and trying a bad end in
@@ -173,6 +177,7 @@ class DraftPolicy:
             return
         group.steps += 1
         arm.last_step = group.steps
+        switched, group.last_cap = cap == 0 and group.last_cap > 0, cap
         if not arm.warmed:
             # A cap's first step in a class can run shapes nothing ran before (a kernel compiles,
             # a buffer grows): it measures that, not the cap.
@@ -180,6 +185,8 @@ class DraftPolicy:
             return
         arm.steps_seen += 1
         arm.steps_ahead += sent_ahead
+        if switched:
+            _add(group.zero_after_drafts, num_rows, num_tokens, seconds)
         if cap == 0 and self.pipelined_zero:
             if not sent_ahead:
                 _add(group.zero_in_turn, num_rows, num_tokens, seconds)
@@ -218,9 +225,9 @@ class DraftPolicy:
             caps = {str(k): {"rate": round(arm.rate, 1), "step_ms": round(1e3 * arm.step_seconds, 3),
                              "steps": arm.steps_seen, "sent_ahead": arm.steps_ahead}
                     for k, arm in sorted(group.arms.items()) if arm.steps_seen}
-            in_turn = group.zero_in_turn
-            in_turn_ms = round(1e3 * in_turn.step_seconds, 3) if in_turn.weight else None
-            out[f"{low}-{high}"] = {"best": _best_measured(group), "caps": caps, "zero_in_turn_step_ms": in_turn_ms}
+            out[f"{low}-{high}"] = {"best": _best_measured(group), "caps": caps,
+                                   "zero_in_turn_step_ms": _step_ms(group.zero_in_turn),
+                                   "zero_after_drafts_step_ms": _step_ms(group.zero_after_drafts)}
         return out
 
     def _first_caps(self, key: int, caps: list[int]) -> tuple[int, ...]:
@@ -270,6 +277,10 @@ def _add(arm: _Arm, num_rows: int, num_tokens: int, seconds: float) -> None:
     arm.weight = arm.weight * decay + 1.0
     arm.rows = arm.rows * decay + num_rows
     arm.seen_rows += num_rows
+
+
+def _step_ms(arm: _Arm) -> float | None:
+    return round(1e3 * arm.step_seconds, 3) if arm.weight else None
 
 
 def _best_measured(group: _BatchClass) -> int | None:

@@ -292,3 +292,9 @@ def test_details_count_each_caps_steps_and_those_sent_ahead():
                                 "steps": 1, "sent_ahead": 1}
     assert cls["best"] == 1
     assert "2" not in cls["caps"]
+    assert cls["zero_after_drafts_step_ms"] is None
+    # A step without drafts right after one with drafts: shown apart, and still one of cap 0's.
+    policy.observe(64, 0, 64, 0.005, sent_ahead=True)
+    cls = policy.details()["64-127"]
+    assert cls["zero_after_drafts_step_ms"] == pytest.approx(5.0)
+    assert cls["caps"]["0"]["steps"] == 5
