@@ -8,6 +8,7 @@ tables call exact for that schema.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -91,7 +92,11 @@ XGRAMMAR_LOOSE = [
     ({"anyOf": [{"type": "integer"}, {"type": "string"}], "minimum": 5}, 3, "minimum"),
     ({"$ref": "#/$defs/a", "maximum": 5, "$defs": {"a": {"type": "integer"}}}, 9, "maximum"),
     ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0}, 7, "multipleOf"),
+    ({"type": "integer", "multipleOf": 10, "exclusiveMaximum": 6}, -7, "multipleOf"),
     ({"type": "string", "pattern": "^a+$", "minLength": 3}, "aa", "minLength"),
+    ({"type": "string", "format": "hostname", "minLength": 3}, "ab", "minLength"),
+    ({"type": "string", "format": "date", "maxLength": 9}, "2020-01-02", "maxLength"),
     ({"type": "integer", "enum": [1, "x"]}, "x", "enum"),
     ({"minimum": 3}, 1, "minimum"),
     ({"required": ["a"]}, {}, "required"),
@@ -248,3 +253,115 @@ def test_classes_and_dots_stay_on_xgrammar_which_leaves_the_escaped_characters_o
     spec = pinned(schema, "xgrammar")
     for raw in ('"', "\\", "\t", "\x01"):
         assert not any(accepts(spec, '"' + raw * n + '"', llg_tokenizer) for n in (1, 2, 3))
+
+
+def _number_texts(rng: random.Random) -> list[str]:
+    texts = {"0", "-0", "0.0", "1e2", "1E+2", "5e-1", "0.5", "-1.5", "10", "1000000000000000000000"}
+    for _ in range(40):
+        kind = rng.random()
+        if kind < 0.4:
+            texts.add(str(rng.randint(-2000, 2000)))
+        elif kind < 0.75:
+            texts.add(repr(round(rng.uniform(-60, 60), rng.randint(0, 4))))
+        else:
+            texts.add(f"{rng.randint(-9, 9)}.{rng.randint(0, 999)}e{rng.randint(-3, 3)}")
+    return sorted(texts)
+
+
+def test_numeric_keywords_are_never_looser_on_the_backend_auto_picks(llg_tokenizer):
+    """Random combinations of the numeric keywords (fixed seed), each against random numbers:
+    what the chosen backend's grammar admits, `jsonschema` accepts (or the schema is refused)."""
+    rng = random.Random(0)
+    judged = 0
+    for _ in range(150):
+        schema: dict = {"type": rng.choice(["integer", "number"])}
+        for keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            if rng.random() < 0.4:
+                bounds = [rng.randint(-50, 50), round(rng.uniform(-10, 10), rng.randint(0, 3))]
+                schema[keyword] = rng.choice([1, 2, 3, 5, 10, 0.5, 0.25] if keyword == "multipleOf" else bounds)
+        try:
+            spec = resolve_guided_spec(guided_spec_from_request({"guided_json": schema}), "auto")
+        except ParameterError:
+            continue  # refused: an empty range, or no backend enforces it
+        for text in _number_texts(rng):
+            if accepts(spec, text, llg_tokenizer):
+                judged += 1
+                assert schema_validity(schema, json.loads(text)) is not False, (spec.backend, schema, text)
+    assert judged > 500
+
+
+# Characters a JSON string writes escaped or as several bytes, beside plain ones.
+_STRING_ALPHABET = ["a", "b", "Z", "0", "9", " ", "-", "_", '"', "\\", "\n", "é", "中", "😀", ".", "@"]
+_PATTERNS = ["^[a-z]+$", "[0-9]", "^a", "b$", "^.{2,4}$", "^[^0-9]*$", "^(ab|cd)+$", "^\\w+$", "^\\S*$",
+             "^[a-z]{2}[0-9]{1,2}$", "x?y*", "^$", "^[\\u00e0-\\u00ff]+$", "^\\d{2,}$", '^"[a-z]*"$', "^a\\\\b$"]
+_FORMATS = ["email", "date", "uuid", "ipv4", "date-time", "uri", "hostname", "int32"]
+
+
+def test_string_keywords_are_never_looser_on_the_backend_auto_picks(llg_tokenizer):
+    """Random lengths, patterns and formats (fixed seed) against random strings, written with and
+    without `\\u` escapes: what the chosen grammar admits, `jsonschema` accepts."""
+    rng = random.Random(2)
+    judged = 0
+    for _ in range(200):
+        schema: dict = {"type": "string"}
+        if rng.random() < 0.5:
+            schema["minLength"] = rng.randint(0, 4)
+        if rng.random() < 0.5:
+            schema["maxLength"] = rng.randint(0, 6)
+        if rng.random() < 0.4:
+            schema["pattern"] = rng.choice(_PATTERNS)
+        if rng.random() < 0.2:
+            schema["format"] = rng.choice(_FORMATS)
+        try:
+            spec = resolve_guided_spec(guided_spec_from_request({"guided_json": schema}), "auto")
+        except ParameterError:
+            continue
+        for _ in range(40):
+            value = "".join(rng.choice(_STRING_ALPHABET) for _ in range(rng.randint(0, 8)))
+            text = json.dumps(value, ensure_ascii=rng.random() < 0.5)
+            if accepts(spec, text, llg_tokenizer):
+                judged += 1
+                assert schema_validity(schema, value) is not False, (spec.backend, schema, text)
+    assert judged > 300
+
+
+def test_array_and_object_keywords_are_never_looser_on_the_backend_auto_picks(llg_tokenizer):
+    rng = random.Random(3)
+    items = [{"type": "integer"}, {"type": "string"}, {}, {"type": "integer", "minimum": 0}, {"enum": [1, "a", None]}]
+    values = [1, -2, "a", None, 3.5, [], {}]
+    judged = 0
+    for _ in range(200):
+        if rng.random() < 0.5:
+            schema: dict = {"type": "array"}
+            if rng.random() < 0.7:
+                schema["items"] = rng.choice(items)
+            if rng.random() < 0.3:
+                schema["prefixItems"] = [rng.choice(items) for _ in range(rng.randint(1, 2))]
+            for keyword, top in (("minItems", 3), ("maxItems", 4)):
+                if rng.random() < 0.5:
+                    schema[keyword] = rng.randint(0, top)
+            instances: list = [[rng.choice(values) for _ in range(rng.randint(0, 5))] for _ in range(30)]
+        else:
+            schema = {"type": "object"}
+            props = {name: rng.choice(items) for name in rng.sample(["a", "b", "c"], rng.randint(0, 3))}
+            if props or rng.random() < 0.5:
+                schema["properties"] = props
+            if props and rng.random() < 0.6:
+                schema["required"] = rng.sample(list(props), rng.randint(1, len(props)))
+            if rng.random() < 0.5:
+                schema["additionalProperties"] = rng.choice([False, True, {"type": "integer"}])
+            for keyword in ("minProperties", "maxProperties"):
+                if rng.random() < 0.3:
+                    schema[keyword] = rng.randint(0, 3)
+            instances = [{k: rng.choice(values[:5]) for k in rng.sample(["a", "b", "c", "d"], rng.randint(0, 4))}
+                         for _ in range(30)]
+        try:
+            spec = resolve_guided_spec(guided_spec_from_request({"guided_json": schema}), "auto")
+        except ParameterError:
+            continue
+        for instance in instances:
+            for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"))):
+                if accepts(spec, text, llg_tokenizer):
+                    judged += 1
+                    assert schema_validity(schema, instance) is not False, (spec.backend, schema, text)
+    assert judged > 300

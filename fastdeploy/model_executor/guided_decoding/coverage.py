@@ -181,6 +181,11 @@ def _name_rule_gap(node: dict, keyword: str) -> str | None:
 # Its character classes and `.` leave these characters out instead (stricter: allowed).
 _JSON_ESCAPED = frozenset({ord('"'), ord("\\"), *range(0x20)})
 _REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+# The `format`s xgrammar generates a grammar for; beside one, it drops minLength / maxLength.
+_XGRAMMAR_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
+    "uri-template", "json-pointer", "relative-json-pointer",
+})
 
 
 def _pattern_has_escaped_literal(pattern: str) -> bool:
@@ -274,8 +279,18 @@ def _xgrammar_gaps(doc: Any, node: dict, path: str) -> list[Gap]:
                 gap(k, "beside `pattern`")
         if isinstance(node["pattern"], str) and _pattern_has_escaped_literal(node["pattern"]):
             gap("pattern", "a literal quote, backslash or control character (written unescaped)")
+    elif node.get("format") in _XGRAMMAR_FORMATS:
+        for k in ("minLength", "maxLength"):
+            if k in node:
+                gap(k, "beside `format`")
     if "multipleOf" in node and (types is None or types - {"integer"} or not isinstance(node["multipleOf"], int)):
         gap("multipleOf", "only integer multiples of an integer type are enforced")
+    elif "multipleOf" in node and node["multipleOf"] != 1:
+        # With a bound on one side only, xgrammar keeps the range and drops the multiple.
+        low = "minimum" in node or "exclusiveMinimum" in node
+        high = "maximum" in node or "exclusiveMaximum" in node
+        if low != high:
+            gap("multipleOf", "beside a range bounded on one side")
     for k in ("exclusiveMinimum", "exclusiveMaximum"):
         if isinstance(node.get(k), bool):
             gap(k, "draft-4 boolean form")
