@@ -365,3 +365,21 @@ def test_array_and_object_keywords_are_never_looser_on_the_backend_auto_picks(ll
                     judged += 1
                     assert schema_validity(schema, instance) is not False, (spec.backend, schema, text)
     assert judged > 300
+
+
+@pytest.mark.parametrize(("regex", "matching", "other"), [
+    (r"\p{L}{2,4}", ["héé", "中文", "ab"], ["a1", "a", "abcde", "é "]),
+    (r"[0-9]+\P{L}", ["12-", "3 "], ["12a", "-"]),
+])
+def test_a_regex_only_llguidance_reads_goes_to_llguidance_and_holds_exactly(regex, matching, other, llg_tokenizer):
+    """xgrammar's regex syntax has no Unicode property classes; llguidance's has them."""
+    spec = resolve_guided_spec(guided_spec_from_request({"guided_regex": regex}), "auto")
+    assert spec.backend == "llguidance"
+    assert all(accepts(spec, text, llg_tokenizer) for text in matching)
+    assert not any(accepts(spec, text, llg_tokenizer) for text in other)
+
+
+def test_a_regex_neither_backend_reads_is_refused_with_xgrammars_reason():
+    with pytest.raises(ParameterError, match="Lookbehind") as caught:
+        resolve_guided_spec(guided_spec_from_request({"guided_regex": "(?<=a)b"}), "auto")
+    assert caught.value.param == "guided_regex"

@@ -114,10 +114,12 @@ def choose_backend(spec: GuidedSpec, setting: str) -> str:
                              spec_param(spec))
     if setting != "auto":
         candidates: tuple[str, ...] = (setting,)
-    elif spec.kind == "json_schema":
+    elif spec.kind in ("json_schema", "regex"):
+        # A regex xgrammar cannot read (a Unicode property class such as \p{L}) goes to
+        # llguidance, whose regex syntax has it; both match a regex they read exactly.
         candidates = BACKEND_NAMES
     else:
-        # Regex, EBNF and structural tags are written in xgrammar's dialects, and both backends
+        # EBNF and structural tags are written in xgrammar's dialects, and both backends
         # enforce the other kinds exactly: no second opinion on a spec xgrammar calls invalid.
         candidates = ("xgrammar",)
     verdicts = []
