@@ -103,6 +103,7 @@ class ModelRunner:
             # One spare block past the engine's pool: padded rows of a captured decode batch write there.
             self.kv_caches = allocate_kv_caches(cache_model_config, self.num_blocks + 1, self.block_size,
                                                 self.dtype, self.device)
+        gate.reach("kv-cache")  # the largest allocation: before the warm-up's collectives
         shape = DecodeShape.of(config, self.num_blocks)
         use_graphs = uses_graphs(config, self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
