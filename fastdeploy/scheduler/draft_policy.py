@@ -208,8 +208,7 @@ class DraftPolicy:
             best = _best_measured(group)
             if best is None:
                 continue
-            low, high = 1 << (key - 1), (1 << key) - 1
-            rows = str(low) if low == high else f"{low}-{high}"
+            rows = _class_rows(key)
             rates = ", ".join(f"{k}: {arm.rate:.0f}" for k, arm in sorted(group.arms.items()) if arm.rows > 0)
             parts.append(f"{rows} seqs -> {best} ({rates})")
         return "; ".join(parts) or "none measured yet"
@@ -221,11 +220,10 @@ class DraftPolicy:
         out: dict[str, dict] = {}
         for key in sorted(self.classes):
             group = self.classes[key]
-            low, high = 1 << (key - 1), (1 << key) - 1
             caps = {str(k): {"rate": round(arm.rate, 1), "step_ms": round(1e3 * arm.step_seconds, 3),
                              "steps": arm.steps_seen, "sent_ahead": arm.steps_ahead}
                     for k, arm in sorted(group.arms.items()) if arm.steps_seen}
-            out[f"{low}-{high}"] = {"best": _best_measured(group), "caps": caps,
+            out[_class_rows(key)] = {"best": _best_measured(group), "caps": caps,
                                    "zero_in_turn_step_ms": _step_ms(group.zero_in_turn),
                                    "zero_after_drafts_step_ms": _step_ms(group.zero_after_drafts)}
         return out
@@ -263,6 +261,12 @@ class DraftPolicy:
 
 def _class_key(num_rows: int) -> int:
     return max(1, num_rows).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+
+
+def _class_rows(key: int) -> str:
+    """The running sequences of class `key`: "1", "2-3", "4-7", ..."""
+    low, high = 1 << (key - 1), (1 << key) - 1
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def _add(arm: _Arm, num_rows: int, num_tokens: int, seconds: float) -> None:

@@ -87,7 +87,6 @@ class StartupGate:
         return f"{self._file}.{point}.{rank}"
 
 
-
 class PlanChannel:
     """Rank 0 -> the other ranks: the forward passes they take part in, one plan per step.
 
