@@ -197,7 +197,7 @@ def _pattern_has_escaped_literal(pattern: str) -> bool:
         # ECMA-262 and Python regexes agree on literals and escapes; `re._parser` is the parser
         # `re.compile` itself uses (no public API gives the parsed tree).
         tree = re._parser.parse(pattern)  # type: ignore[attr-defined]
-    except (re.error, OverflowError, RecursionError):
+    except (re.error, OverflowError, RecursionError, AttributeError):  # AttributeError: a Python without it
         return True
     stack = [tree]
     while stack:
