@@ -51,6 +51,7 @@ class SubmittedStep:
     started: float  # perf_counter when it was scheduled
     num_rows: int  # sequences running when it was scheduled
     draft_cap: int | None
+    next_cap: int  # the cap announced with it for the step after it (-1: no draft policy)
     followed: bool  # the next step is sent before this one's frame is read
     ahead: bool = False  # it was sent before the frame of the step before it was read
 
@@ -214,7 +215,8 @@ class EngineCore:
             # time starts where that one's frame was read.
             self.draft_policy.observe(current.num_rows, current.draft_cap,
                                       sum(len(delta.token_ids) for _, delta in applied.results),
-                                      now - max(current.started, self._last_frame_at), current.ahead)
+                                      now - max(current.started, self._last_frame_at), current.ahead,
+                                      drafted_next=current.next_cap > 0)
         self._last_frame_at = now
         for seq, delta in applied.results:
             if delta.finish_reason is not None:
@@ -271,7 +273,8 @@ class EngineCore:
                                next_cap, followed)
         self._freed = []
         self._grammar_requests = []
-        return SubmittedStep(plan, self.executor.submit(step_input), started, num_rows, draft_cap, followed, ahead)
+        return SubmittedStep(plan, self.executor.submit(step_input), started, num_rows, draft_cap, next_cap, followed,
+                             ahead)
 
     def _drafts_follow(self, plan: SchedulerStep) -> bool:
         """Whether a step may be followed by one sent ahead although it verifies drafts or its

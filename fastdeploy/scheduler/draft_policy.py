@@ -21,6 +21,9 @@ steps, which goes in turn. Cap 0 is therefore tried as a run of steps, its figur
 the steps sent ahead (the in-turn ones are kept apart), and trying a drafting cap while cap 0 is
 the best also pays for the in-turn step it forces (under tensor parallelism; on one GPU the
 worker drafts on the device and steps with drafts go ahead too, so no step goes in turn to count).
+There a step drafts for the step after it, so the last step of a run without drafts does so too:
+what that drafting took is charged to the step that verifies the drafts, as it is in every step
+of a drafting cap.
 """
 
 from __future__ import annotations
@@ -100,6 +103,10 @@ class _BatchClass:
     # Steps without drafts right after a step with drafts (a switch), kept for `details` only:
     # they count in cap 0's figures like any other of its steps.
     zero_after_drafts: _Arm = field(default_factory=_Arm)
+    # Steps without drafts that also drafted for the step after them, as measured (for `details`;
+    # see `observe` for what cap 0's figures take of them).
+    zero_before_drafts: _Arm = field(default_factory=_Arm)
+    carried_s: float = 0.0  # drafting time of the last such step, charged to the step after it
     last_cap: int = 0  # the cap of the class's last observed step
     # The caps measured first: both ends, all drafts before none (where drafts pay, a lone
     # request, the first steps do too); or one cap that measured classes point to (a server's
@@ -166,9 +173,12 @@ class DraftPolicy:
         due, k = max(overdue, default=(-1.0, best_cap))
         return k if due >= 0 else best_cap
 
-    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False) -> None:
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
+                drafted_next: bool = False) -> None:
         """A pure-decode step of `num_rows` sequences under `cap` produced `num_tokens` in `seconds`;
-        `sent_ahead`: it was sent while the step before it ran."""
+        `sent_ahead`: it was sent while the step before it ran; `drafted_next`: the step after
+        it takes drafts, which may have been made in this step's time (on the device, after its
+        forward pass)."""
         if seconds <= 0 or num_rows <= 0:
             return
         group = self._class(num_rows)
@@ -178,6 +188,19 @@ class DraftPolicy:
         group.steps += 1
         arm.last_step = group.steps
         switched, group.last_cap = cap == 0 and group.last_cap > 0, cap
+        if cap == 0 and drafted_next:
+            # The drafting for the next step (an n-gram lookup, the MTP module's passes, on the
+            # device after the forward pass) is in this step's time: what it took beyond cap 0's
+            # usual step is charged to the step that verifies the drafts, as it is to every step
+            # of a drafting cap, which drafts for its successor. Left here, it would make the
+            # runs without drafts look dearer than they are when chosen.
+            _add(group.zero_before_drafts, num_rows, num_tokens, seconds)
+            usual = arm.step_seconds if arm.weight > 0 else seconds
+            group.carried_s = max(0.0, seconds - usual)
+            seconds -= group.carried_s
+        elif cap > 0:
+            seconds += group.carried_s
+            group.carried_s = 0.0
         if not arm.warmed:
             # A cap's first step in a class can run shapes nothing ran before (a kernel compiles,
             # a buffer grows): it measures that, not the cap.
@@ -225,7 +248,8 @@ class DraftPolicy:
                     for k, arm in sorted(group.arms.items()) if arm.steps_seen}
             out[_class_rows(key)] = {"best": _best_measured(group), "caps": caps,
                                    "zero_in_turn_step_ms": _step_ms(group.zero_in_turn),
-                                   "zero_after_drafts_step_ms": _step_ms(group.zero_after_drafts)}
+                                   "zero_after_drafts_step_ms": _step_ms(group.zero_after_drafts),
+                                   "zero_before_drafts_step_ms": _step_ms(group.zero_before_drafts)}
         return out
 
     def _first_caps(self, key: int, caps: list[int]) -> tuple[int, ...]:

@@ -89,6 +89,8 @@ class Scheduler:
         in flight) a running sequence that does not fit waits a step instead."""
         budget = self.config.max_num_batched_tokens
         drafts = self.num_lookahead_slots if max_drafts is None else min(max_drafts, self.num_lookahead_slots)
+        reserves = bool(self.num_lookahead_slots or self.num_draft_model_slots)
+        block_size = self.block_manager.block_size
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -120,8 +122,12 @@ class Scheduler:
             self.block_manager.grow(seq.block_ids, reach)
             chunk = _chunk(seq, num)
             if num == 1 and chunk.samples:
-                chunk.num_lookahead = self._reserve_lookahead(seq, reach, min(drafts, budget - num))
-                budget -= chunk.num_lookahead
+                # Without drafts, a chunk whose blocks already hold the draft model's slots past
+                # it reserves nothing: checked here, not in a call per sequence (a busy batch's
+                # usual step, where this loop is on every step's path).
+                if reserves and (drafts or len(seq.block_ids) * block_size < reach + self.num_draft_model_slots):
+                    chunk.num_lookahead = self._reserve_lookahead(seq, reach, min(drafts, budget - num))
+                    budget -= chunk.num_lookahead
                 decodes.append(chunk)
             else:
                 if chunk.samples:

@@ -351,16 +351,18 @@ class ScriptedCaps:
     def __init__(self, script: list[int]) -> None:
         self.script = script
         self.calls = 0
-        self.observed: list[tuple[int, int, bool]] = []  # (cap, tokens, sent ahead) of each measured step
+        # (cap, tokens, sent ahead, the step after it takes drafts) of each measured step
+        self.observed: list[tuple[int, int, bool, bool]] = []
 
     def cap(self, num_rows: int) -> int:
         cap = self.script[self.calls] if self.calls < len(self.script) else 0
         self.calls += 1
         return cap
 
-    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False) -> None:
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
+                drafted_next: bool = False) -> None:
         assert seconds > 0
-        self.observed.append((cap, num_tokens, sent_ahead))
+        self.observed.append((cap, num_tokens, sent_ahead, drafted_next))
 
     def describe(self) -> str:
         return "scripted"
@@ -453,7 +455,9 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
     verified_ahead = [step for step in executor.sent
                       if any(c.num_lookahead and IN_FLIGHT_TOKEN in c.token_ids for c in step.chunks)]
     assert followed >= 10 and in_flight >= 20 and len(verified_ahead) >= 4, (followed, in_flight, len(verified_ahead))
-    assert any(ahead for cap, _, ahead in policy.observed if cap > 0)
+    assert any(ahead for cap, _, ahead, _ in policy.observed if cap > 0)
+    # Steps without drafts are told apart by whether the step after them takes drafts.
+    assert {drafted_next for cap, _, _, drafted_next in policy.observed if cap == 0} == {False, True}
     _assert_same_drafts(drafted, at_least=4)
 
 

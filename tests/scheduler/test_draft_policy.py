@@ -185,10 +185,12 @@ def test_a_far_class_is_not_taken_for_a_neighbour():
 
 
 def run_pipelined(policy: DraftPolicy, rows: int, steps: int, step_ms, ahead_ms: float, acceptance: float,
-                  seed: int = 0) -> tuple[float, list[int]]:
+                  seed: int = 0, draft_ms: float = 0.0, tell_drafting: bool = True) -> tuple[float, list[int]]:
     """Like `run`, with the engine's asynchronous scheduling: each step's cap is announced with the
     step before it, and a step without drafts whose predecessor had none either (and so was sent
-    followed) is sent ahead and costs `ahead_ms` instead of `step_ms(rows, 0)`."""
+    followed) is sent ahead and costs `ahead_ms` instead of `step_ms(rows, 0)`. A step whose
+    successor takes drafts drafts for it on the device: `draft_ms` more (`tell_drafting`: the
+    policy is told so, as the engine tells it)."""
     rng = random.Random(seed)
     total_tokens, total_s, caps = 0, 0.0, []
     cap = policy.cap(rows)
@@ -197,9 +199,9 @@ def run_pipelined(policy: DraftPolicy, rows: int, steps: int, step_ms, ahead_ms:
         announced = policy.cap(rows)  # the next step's, sent with this one
         ahead = cap == 0 and previous == 0
         tokens = step_tokens(rng, rows, cap, acceptance)
-        ms = ahead_ms if ahead else step_ms(rows, cap)
+        ms = (ahead_ms if ahead else step_ms(rows, cap)) + (draft_ms if announced > 0 else 0.0)
         seconds = ms * rng.uniform(0.9, 1.1) / 1e3
-        policy.observe(rows, cap, tokens, seconds, sent_ahead=ahead)
+        policy.observe(rows, cap, tokens, seconds, sent_ahead=ahead, drafted_next=tell_drafting and announced > 0)
         total_tokens += tokens
         total_s += seconds
         caps.append(cap)
@@ -273,6 +275,32 @@ def test_a_lone_request_whose_drafts_pay_is_not_misled_by_its_first_tries():
     rates = [run_pipelined(DraftPolicy(4, pipelined_zero=True), 1, 256, step_ms, 1.09, acceptance, seed)[0] / 1e3
              for seed in range(16)]
     assert min(rates) >= 0.85 * best, [round(r / best, 3) for r in rates]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_drafting_before_a_drafted_step_is_not_charged_to_no_drafts(seed):
+    """16 sequences (the embedded model on an H100, 2026-11-27): a step without drafts sent ahead
+    1.5 ms; drafting for the next step on the device 1.2 ms more, in every step of a drafting cap
+    and in the last step of a run without drafts; a verify step 1.4 ms before it. Four drafts
+    accepted 35 % of the time yield 1.53 tokens a row for 2.6 ms: 0.59 tokens a ms, against 0.67
+    for no drafts. Charged with the drafting of its runs' last steps, no drafts measured 0.56 and
+    lost to the drafts; told apart, it wins."""
+    acceptance = 0.35
+    drafted_rate = expected_tokens(4, acceptance) / 2.6
+    zero_rate = 1 / 1.5
+    assert zero_rate > drafted_rate > 4 / (3 * 1.5 + 2.7)
+
+    def verify(rows: int, cap: int) -> float:
+        return 1.5 if cap == 0 else 1.4
+
+    rate, caps = run_pipelined(DraftPolicy(4, pipelined_zero=True), 16, 3000, verify, 1.5, acceptance, seed,
+                               draft_ms=1.2)
+    assert caps[1500:].count(0) / 1500 > 0.9
+    assert rate * 1e-3 / 16 >= 0.95 * zero_rate, (rate, zero_rate)
+    untold_rate, untold_caps = run_pipelined(DraftPolicy(4, pipelined_zero=True), 16, 3000, verify, 1.5, acceptance,
+                                             seed, draft_ms=1.2, tell_drafting=False)
+    assert rate > untold_rate
+    assert untold_caps[1500:].count(0) < caps[1500:].count(0)
 
 
 def test_details_count_each_caps_steps_and_those_sent_ahead():
