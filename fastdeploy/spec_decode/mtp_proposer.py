@@ -66,6 +66,11 @@ class PendingDrafts:
         return drafts
 
 
+# The drafts of a step that drafted none: one object for every such step (they are read, never
+# changed), so steps without drafts allocate no tensor for them.
+NO_DRAFTS = PendingDrafts([], torch.zeros(0, dtype=torch.long))
+
+
 class MTPProposer:
     def __init__(self, mtp_pass: MTPPass, num_speculative_tokens: int, block_size: int,
                  prepare_inputs: PrepareInputs) -> None:
@@ -98,7 +103,7 @@ class MTPProposer:
         k = self.num_speculative_tokens
         work = [w for w in work if w.tokens]
         if not work:
-            return PendingDrafts([], torch.zeros(0, dtype=torch.long))
+            return NO_DRAFTS
         # Decode rows first; longer runs of pairs (prompt chunks) follow as prefills. The runner's
         # `prepare_inputs` lays a sampled chunk listed in its drafts argument out as decode rows.
         work.sort(key=lambda w: len(w.tokens) > 1 + k)
@@ -122,7 +127,7 @@ class MTPProposer:
         prev = torch.where((hidden_rows_d >= 0).unsqueeze(1), prev, 0)
         if max_drafts == 0:
             self.mtp_pass.fill(input_ids, prev, positions, meta)
-            return PendingDrafts([], torch.zeros(0, dtype=torch.long))
+            return NO_DRAFTS
         hidden, tokens = self.mtp_pass(input_ids, prev, positions, meta, draft_rows_d)
         passes = [tokens]
         seq_ids = [[w.seq_id for w in drafting]]

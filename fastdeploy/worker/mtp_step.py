@@ -17,7 +17,7 @@ from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadat
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
 from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
-from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork, PendingDrafts
+from fastdeploy.spec_decode.mtp_proposer import NO_DRAFTS, MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.worker.graph_capture import DecodeShape
 from fastdeploy.worker.in_flight_step import SampledTokens
 from fastdeploy.worker.input_prep import prepare_inputs
@@ -77,7 +77,7 @@ class MTPStep:
         else:
             work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
             self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
-        self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
+        self._pending = (NO_DRAFTS, seq_ids)
 
     def draft_in_flight(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         row_tokens: torch.Tensor, seq_ids: list[int], starts: list[int],
@@ -93,7 +93,7 @@ class MTPStep:
         row (`accepted`, on the device; None: one each), then from each draft in turn. After a
         decode graph of the target, all of it replays as one graph; otherwise `positions` and
         `meta`, the step's own inputs on the device, give the passes' inputs."""
-        self._pending = (PendingDrafts([], torch.zeros(0, dtype=torch.long)), seq_ids)
+        self._pending = (NO_DRAFTS, seq_ids)
         n = row_tokens.shape[0]
         if cap > 0 and self.mtp_pass.drafts_after_decode_graph(n, meta):
             return self.mtp_pass.draft_after_decode(row_tokens, starts, accepted, cap)
@@ -151,7 +151,7 @@ class MTPStep:
             return
         pending, seq_ids = self._pending
         self._pending = None
-        drafts = pending.resolve()
+        drafts = pending.resolve() if pending.seq_ids else {}
         for seq_id in seq_ids:
             state = sequences.get(seq_id)
             if state is not None:  # not freed since
