@@ -106,7 +106,6 @@ class _BatchClass:
     # Steps without drafts that also drafted for the step after them, as measured (for `details`;
     # see `observe` for what cap 0's figures take of them).
     zero_before_drafts: _Arm = field(default_factory=_Arm)
-    carried_s: float = 0.0  # drafting time of the last such step, charged to the step after it
     last_cap: int = 0  # the cap of the class's last observed step
     # The caps measured first: both ends, all drafts before none (where drafts pay, a lone
     # request, the first steps do too); or one cap that measured classes point to (a server's
@@ -124,6 +123,10 @@ class DraftPolicy:
     pipelined_zero: bool = False
     classes: dict[int, _BatchClass] = field(default_factory=dict)
     _zero_run: tuple[int, int] = (0, 0)  # (class, steps left) of the run of cap 0 under way
+    _observed: int = 0  # steps observed, every class
+    # (class, `_observed` then, seconds) of the last step without drafts that held a verify
+    # step's launch: the seconds go to that verify step if it is the next one observed.
+    _carried: tuple[int, int, float] = (0, 0, 0.0)
 
     def cap(self, num_rows: int) -> int:
         """The most drafts any sequence gets in a step of about `num_rows` decoding sequences."""
@@ -180,10 +183,14 @@ class DraftPolicy:
         it takes drafts."""
         if seconds <= 0 or num_rows <= 0:
             return
-        group = self._class(num_rows)
+        key = _class_key(num_rows)
+        group = self._group(key)
         arm = group.arms.get(cap)
         if arm is None:
             return
+        self._observed += 1
+        carried_class, carried_at, carried_s = self._carried
+        self._carried = (0, 0, 0.0)
         group.steps += 1
         arm.last_step = group.steps
         switched, group.last_cap = cap == 0 and group.last_cap > 0, cap
@@ -197,11 +204,14 @@ class DraftPolicy:
             # each run of four took 5.8 ms against 2.0).
             _add(group.zero_before_drafts, num_rows, num_tokens, seconds)
             usual = arm.step_seconds if arm.weight > 0 else seconds
-            group.carried_s = max(0.0, seconds - usual)
-            seconds -= group.carried_s
-        elif cap > 0:
-            seconds += group.carried_s
-            group.carried_s = 0.0
+            extra = max(0.0, seconds - usual)
+            seconds -= extra
+            self._carried = (key, self._observed, extra)
+        elif cap > 0 and carried_class == key and carried_at == self._observed - 1:
+            # The verify step it launched, observed next in the same class (a step in between
+            # that was not observed, or a change of class, drops the charge: it is not known
+            # to be this step's).
+            seconds += carried_s
         if not arm.warmed:
             # A cap's first step in a class can run shapes nothing ran before (a kernel compiles,
             # a buffer grows): it measures that, not the cap.
@@ -272,9 +282,6 @@ class DraftPolicy:
         if larger and best[min(larger)] == caps[-1]:
             return (caps[-1],)
         return (caps[-1], caps[0])
-
-    def _class(self, num_rows: int) -> _BatchClass:
-        return self._group(_class_key(num_rows))
 
     def _group(self, key: int) -> _BatchClass:
         group = self.classes.get(key)

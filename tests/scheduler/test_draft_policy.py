@@ -303,6 +303,34 @@ def test_the_drafting_before_a_drafted_step_is_not_charged_to_no_drafts(seed):
     assert untold_caps[1500:].count(0) < caps[1500:].count(0)
 
 
+def test_a_verify_launch_is_charged_to_the_verify_step_observed_next_only():
+    """The time a step without drafts took beyond cap 0's usual step, holding the launch of the
+    verify step after it, goes to that verify step: not when another step comes between them
+    (one not observed shows as a step of another class here) or the verify step is in another class."""
+    def fresh() -> DraftPolicy:
+        policy = DraftPolicy(2, pipelined_zero=True)
+        for cap in (0, 0, 2, 2):  # each cap's warm-up step, then one counted step of each
+            policy.observe(64, cap, 64 if cap == 0 else 128, 0.002, sent_ahead=True)
+        return policy
+
+    policy = fresh()
+    policy.observe(64, 0, 64, 0.005, sent_ahead=True, drafted_next=True)
+    policy.observe(64, 2, 128, 0.002, sent_ahead=True)
+    cls = policy.details()["64-127"]
+    assert cls["caps"]["0"]["step_ms"] == pytest.approx(2.0)  # the usual step, not 5 ms
+    assert cls["zero_before_drafts_step_ms"] == pytest.approx(5.0)
+    # The verify step took 2 ms and is charged the 3 ms its launch added to the step before it.
+    assert cls["caps"]["2"]["step_ms"] > 2.0
+
+    for between in ([(8, 0)], []):
+        policy = fresh()
+        policy.observe(64, 0, 64, 0.005, sent_ahead=True, drafted_next=True)
+        for rows, cap in between:
+            policy.observe(rows, cap, rows, 0.001, sent_ahead=True)
+        policy.observe(64 if between else 8, 2, 128 if between else 16, 0.002, sent_ahead=True)
+        assert policy.details()["64-127"]["caps"]["2"]["step_ms"] == pytest.approx(2.0)
+
+
 def test_details_count_each_caps_steps_and_those_sent_ahead():
     policy = DraftPolicy(2, pipelined_zero=True)
     policy.observe(64, 0, 64, 0.004)  # warm-up step: not counted
