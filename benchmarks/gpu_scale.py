@@ -539,6 +539,14 @@ def _read_json(path: str) -> dict:
         return {}
 
 
+def _policy_line(log_path: str) -> str | None:
+    """The draft policy as the server last logged it (its engine's stats line, every few seconds
+    while it has work): best cap and each cap's tokens per sequence per second, per class."""
+    marker = "draft caps (best cap, tokens per sequence per second of each cap): "
+    lines = [line for line in log_tail(log_path, 200_000).splitlines() if marker in line]
+    return lines[-1].split(marker, 1)[1].strip() if lines else None
+
+
 def _worker_line(log_path: str) -> str | None:
     from benchmarks.server_ready import READY_LINE
 
@@ -574,7 +582,8 @@ def part_spec_server(run: Run, out: PartOutput) -> None:
             row.update({f"{name}_tok_s": statistics.median(load.tok_s for load in loads[name]),
                         f"{name}_speedup": ratio, f"{name}_speedup_range": [low, high],
                         f"{name}_identical_texts": sum(
-                            a == b for a, b in zip(loads[name][-1].texts, loads["off"][-1].texts, strict=True))})
+                            a == b for a, b in zip(loads[name][-1].texts, loads["off"][-1].texts, strict=True)),
+                        f"{name}_policy": _policy_line(run.log_path(name))})
             out.put(f"{name}_server_speedup", clients, ratio)
         row["client_cpu_share_max"] = max(ld.client_cpu_s / ld.wall_s for runs in loads.values() for ld in runs)
         out.details["rows"].append(row)
