@@ -539,6 +539,26 @@ def _read_json(path: str) -> dict:
         return {}
 
 
+# A speculating server's step counters in /metrics, by what the rows call them.
+SPEC_STEP_SERIES = {"steps": "num_steps", "sent_ahead": "num_steps_sent_ahead",
+                    "with_prefill": "num_steps_with_prefill", "verify": "num_verify_steps"}
+
+
+def _spec_steps(server: Server) -> dict[str, float]:
+    """The server's step counters so far (its /metrics; empty when it does not answer)."""
+    try:
+        text = httpx.get(server.base + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        for key, name in SPEC_STEP_SERIES.items():
+            series = f"fastdeploy_spec_decode_{name}_total"
+            if line.startswith(series) and line[len(series):len(series) + 1] in (" ", "{"):
+                values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
 def _policy_line(log_path: str) -> str | None:
     """The draft policy as the server last logged it (its engine's stats line, every few seconds
     while it has work): best cap and each cap's tokens per sequence per second, per class."""
@@ -571,9 +591,13 @@ def part_spec_server(run: Run, out: PartOutput) -> None:
         for server in servers.values():  # warm-up: the run's shape once, at full length
             run_load(server, bodies[:clients], clients, run.timeout(args.load_timeout))
         loads: dict[str, list[Load]] = {n: [] for n in servers}
+        steps_before = {name: _spec_steps(server) for name, server in run.spec.items()}
         for r in range(args.rounds):
             for name in rotated(list(servers), r):
                 loads[name].append(run_load(servers[name], bodies, clients, run.timeout(args.load_timeout)))
+        time.sleep(1.5)  # the engines report their counters to /metrics about once a second
+        steps_during = {name: {k: v - steps_before[name].get(k, 0.0) for k, v in _spec_steps(server).items()}
+                        for name, server in run.spec.items()}
         off_tok_s = [load.tok_s for load in loads["off"]]
         row: dict[str, Any] = {"clients": clients, "requests": len(bodies), "tokens": sum(loads["off"][-1].tokens),
                                "off_tok_s": statistics.median(off_tok_s)}
@@ -583,7 +607,10 @@ def part_spec_server(run: Run, out: PartOutput) -> None:
                         f"{name}_speedup": ratio, f"{name}_speedup_range": [low, high],
                         f"{name}_identical_texts": sum(
                             a == b for a, b in zip(loads[name][-1].texts, loads["off"][-1].texts, strict=True)),
-                        f"{name}_policy": _policy_line(run.log_path(name))})
+                        f"{name}_policy": _policy_line(run.log_path(name)),
+                        # The timed rounds' steps: how many, and of them sent ahead, with a
+                        # prefill chunk, verifying drafts.
+                        f"{name}_steps": steps_during[name]})
             out.put(f"{name}_server_speedup", clients, ratio)
         row["client_cpu_share_max"] = max(ld.client_cpu_s / ld.wall_s for runs in loads.values() for ld in runs)
         out.details["rows"].append(row)

@@ -38,6 +38,11 @@ def test_streamed_speculative_run_matches_whole_response_and_reports_acceptance(
     assert metrics["fastdeploy_spec_decode_num_accepted_tokens_total"] > 0
     assert 0 < metrics["fastdeploy_spec_decode_draft_acceptance_rate"] <= 1
     assert metrics["fastdeploy_spec_decode_mean_accepted_length"] > 1
+    # Steps by how they ran: every kind is a share of the steps; these requests prefilled and verified.
+    steps = metrics["fastdeploy_spec_decode_num_steps_total"]
+    assert 0 < metrics["fastdeploy_spec_decode_num_verify_steps_total"] <= steps
+    assert 0 < metrics["fastdeploy_spec_decode_num_steps_with_prefill_total"] <= steps
+    assert 0 <= metrics["fastdeploy_spec_decode_num_steps_sent_ahead_total"] <= steps
 
 
 @pytest.mark.parametrize("spec_server_name", ["mtp_server", "ngram_ahead_server"])

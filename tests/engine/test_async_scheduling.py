@@ -448,6 +448,11 @@ def test_adaptive_ngram_sends_steps_ahead_with_and_without_drafts(predictable_di
     _assert_same(results["off"], plain)
     _assert_same(results["on"], plain)
     assert stats["on"].num_accepted_draft_tokens >= 5, stats
+    # How the steps ran: none ahead in turn; ahead, verify steps among them (counted per frame).
+    assert stats["off"].num_steps_ahead == 0 and stats["on"].num_steps_ahead >= 10, stats
+    for mode in ("off", "on"):
+        st = stats[mode]
+        assert 0 < st.num_verify_steps < st.num_steps and 1 <= st.num_steps_with_prefill < st.num_steps, stats
     # Lookups that came up short are not counted as drafts: these prompts' drafts mostly hold.
     for mode in ("off", "on"):
         assert stats[mode].num_accepted_draft_tokens >= 0.7 * stats[mode].num_draft_tokens, stats

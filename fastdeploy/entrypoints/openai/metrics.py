@@ -73,6 +73,14 @@ class ServerMetrics:
         self.spec_mean_accepted_length = Gauge("fastdeploy_spec_decode_mean_accepted_length",
                                                "Tokens emitted per sequence per verifying step since start",
                                                per, registry=r, multiprocess_mode=mode)
+        # Steps of a speculating engine by how they ran (see SpecDecodeStats).
+        self.spec_steps = {
+            field: Counter(f"fastdeploy_spec_decode_{name}", help_text, per, registry=r)
+            for field, name, help_text in (
+                ("num_steps", "num_steps", "Steps run"),
+                ("num_steps_ahead", "num_steps_sent_ahead", "Steps sent before the frame of the step before them"),
+                ("num_steps_with_prefill", "num_steps_with_prefill", "Steps holding a prefill chunk"),
+                ("num_verify_steps", "num_verify_steps", "Steps verifying drafts"))}
         self.prefix_cache_queries = Counter("fastdeploy_prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache", per, registry=r)
         self.prefix_cache_hits = Counter("fastdeploy_prefix_cache_hits",
@@ -117,6 +125,8 @@ class ServerMetrics:
             seen = self._spec_seen.get(replica, SpecDecodeStats())
             pick(self.spec_draft_tokens).inc(spec.num_draft_tokens - seen.num_draft_tokens)
             pick(self.spec_accepted_tokens).inc(spec.num_accepted_draft_tokens - seen.num_accepted_draft_tokens)
+            for field, counter in self.spec_steps.items():
+                pick(counter).inc(getattr(spec, field) - getattr(seen, field))
             pick(self.spec_acceptance_rate).set(spec.acceptance_rate)
             pick(self.spec_mean_accepted_length).set(spec.mean_accepted_length)
             self._spec_seen[replica] = spec
