@@ -12,7 +12,8 @@ step holding a verify step's launch counted as cap 0's), and `{method}_held0` (t
 at cap 0: what speculation costs a step that drafts nothing). Rounds alternate the engines'
 order; a figure is the median over rounds of tokens per second, and the table gives each
 engine's ratio to `off`. Beside them, the policy's own figures for the batch's class (cap 0's
-step, each cap's tokens per sequence per second) and what it chose. The embedded model by
+step, each cap's tokens per sequence per second), what it chose, and the timed rounds' steps
+(how many; of them sent ahead, with a prefill chunk, verifying drafts). The embedded model by
 default (`mtp` needs its shipped head); `--model` with `--load-format dummy` runs any config.
 """
 
@@ -79,6 +80,14 @@ def class_figures(llm: LLM, batch: int) -> dict[str, Any]:
     return details.get(key, {}) if key else {}
 
 
+def step_counts(llm: LLM) -> dict[str, int]:
+    """The engine's steps so far: how many, and of them sent ahead, with a prefill chunk, verifying
+    drafts (counted only with speculation on)."""
+    stats = llm.engine.spec_stats
+    return {"steps": stats.num_steps, "sent_ahead": stats.num_steps_ahead, "with_prefill": stats.num_steps_with_prefill,
+            "verify": stats.num_verify_steps}
+
+
 def run_batch(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     llms = engines(args, batch)
     conversations = prompts(batch)
@@ -87,6 +96,7 @@ def run_batch(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
         timed(llm, conversations, params)
     tok_s: dict[str, list[float]] = {name: [] for name in llms}
     names = list(llms)
+    steps_before = {name: step_counts(llm) for name, llm in llms.items()}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             wall, count, _ = timed(llms[name], conversations, params)
@@ -104,6 +114,7 @@ def run_batch(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
                      "cap0_step_ms": caps.get("0", {}).get("step_ms"),
                      "cap_rates": {k: v["rate"] for k, v in caps.items()},
                      "zero_before_drafts_step_ms": figures.get("zero_before_drafts_step_ms"),
+                     "steps": {k: v - steps_before[name][k] for k, v in step_counts(llm).items()},
                      "tok_s_rounds": [round(x, 1) for x in tok_s[name]]})
     for llm in llms.values():
         llm.engine.shutdown()
