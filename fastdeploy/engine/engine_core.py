@@ -206,7 +206,7 @@ class EngineCore:
         events = output.events
         deltas += self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
-        if self.config.speculative is not None:
+        if self.config.speculative is not None and plan.chunks:
             self.spec_stats.add(events, current.ahead, any(c.num_tokens != 1 or not c.samples for c in plan.chunks))
         applied = self.token_processor.apply(output.frame, self.sequences, terminated, output.mask_bits)
         now = time.perf_counter()
