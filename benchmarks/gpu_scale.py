@@ -259,6 +259,7 @@ def part_guided(args: argparse.Namespace, out: PartOutput) -> None:
 
 
 def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
+    from benchmarks.draft_policy import step_counts
     from benchmarks.speculative import prompts, timed
     from benchmarks.speculative_mtp import engines
     from fastdeploy import LLM, SamplingParams
@@ -277,7 +278,7 @@ def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
         for llm in llms.values():  # warm-up at full length: every shape the timed runs reach
             timed(llm, conversations, params)
         stats0 = {n: _spec_counts(llms[n]) for n in SPECS}
-        steps0 = {n: _step_counts(llms[n]) for n in SPECS}
+        steps0 = {n: step_counts(llms[n]) for n in SPECS}
         tok_s: dict[str, list[float]] = {n: [] for n in llms}
         tokens: dict[str, list] = {}
         for r in range(args.rounds):
@@ -295,7 +296,7 @@ def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
                         f"{name}_identical": sum(a == b for a, b in zip(tokens[name], tokens["off"], strict=True)),
                         # The timed rounds' steps: how many, and of them sent ahead, with a prefill
                         # chunk, verifying drafts.
-                        f"{name}_steps": {k: v - steps0[name][k] for k, v in _step_counts(llms[name]).items()},
+                        f"{name}_steps": {k: v - steps0[name][k] for k, v in step_counts(llms[name]).items()},
                         # What the draft policy measured and chose, per batch-size class, by now.
                         f"{name}_policy": llms[name].engine.draft_policy.describe()
                         if llms[name].engine.draft_policy is not None else None,
@@ -304,12 +305,6 @@ def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
             out.put(f"{name}_speedup", batch, ratio)
         out.details["rows"].append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-
-
-def _step_counts(llm: Any) -> dict[str, int]:
-    stats = llm.engine.spec_stats
-    return {"steps": stats.num_steps, "sent_ahead": stats.num_steps_ahead, "with_prefill": stats.num_steps_with_prefill,
-            "verify": stats.num_verify_steps}
 
 
 def _spec_counts(llm: Any) -> tuple[int, int, int]:

@@ -35,7 +35,7 @@ from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
 from fastdeploy.scheduler.draft_policy import DraftPolicy
 from fastdeploy.scheduler.prefix_hash import root_hash
-from fastdeploy.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerStep
+from fastdeploy.scheduler.scheduler import Scheduler, SchedulerStep
 from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.worker.step_output import StepOutput
 
@@ -206,12 +206,16 @@ class EngineCore:
         events = output.events
         deltas += self._apply_events(events)
         terminated = frozenset(events.grammar_terminated)
+        # Whether the step only decoded the sequences running before it: its time measures a
+        # draft cap (a prefill chunk's time would not).
+        pure_decode = False
         if self.config.speculative is not None and plan.chunks:
-            self.spec_stats.add(events, current.ahead, any(c.num_tokens != 1 or not c.samples for c in plan.chunks))
+            prefill = any(c.num_tokens != 1 or not c.samples for c in plan.chunks)
+            self.spec_stats.add(events, current.ahead, prefill)
+            pure_decode = not prefill and len(plan.chunks) == current.num_rows
         applied = self.token_processor.apply(output.frame, self.sequences, terminated, output.mask_bits)
         now = time.perf_counter()
-        if self.draft_policy is not None and current.draft_cap is not None \
-                and _pure_decode(plan.chunks, current.num_rows):
+        if self.draft_policy is not None and current.draft_cap is not None and pure_decode:
             # A step sent ahead was scheduled while the one before it ran: its share of the
             # time starts where that one's frame was read.
             self.draft_policy.observe(current.num_rows, current.draft_cap,
@@ -340,8 +344,3 @@ def _count_in_flight(plan: SchedulerStep, change: int) -> None:
             chunk.seq.num_in_flight += change
             chunk.seq.num_in_flight_drafts = chunk.num_lookahead if change > 0 else 0
 
-
-def _pure_decode(chunks: list[ScheduledChunk], num_rows: int) -> bool:
-    """A step that only decoded the sequences running before it: its time measures a draft cap
-    (a prefill chunk's time would not)."""
-    return len(chunks) == num_rows and all(c.num_tokens == 1 and c.samples for c in chunks)
