@@ -37,14 +37,20 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device, wit
     gen = torch.Generator(device).manual_seed(0)
     logits = torch.randn(len(params), v, generator=gen, device=device) * 4.0
     logits[2] *= 0.1  # flat: its top-p set outgrows the prefilter's candidates
-    batches = [(params, False)]
+    batches = [(params, False, False)]
     if with_masks:
-        # Masked rows of every kind, and a step whose masked rows are all greedy (no kept sets).
-        batches += [(params, True), (params[:1] * 2, True)]
-    for rows, mask in batches:
+        # Masked rows of every kind, a step whose masked rows are all greedy (no kept sets), and
+        # a step under a grammar's bitmask (its plain rows keep the allowed ids).
+        batches += [(params, True, False), (params[:1] * 2, True, False), (params, True, True)]
+    for rows, mask, guided in batches:
         states = [WorkerSequence([0], p, mask, torch.Generator(device).manual_seed(i))
                   for i, p in enumerate(rows)]
-        sampler(logits[:len(rows)], sampling_metadata(states, logprobs_mode, device), settle_kept_sets=False)
+        meta = sampling_metadata(states, logprobs_mode, device)
+        if guided:
+            bitmask = torch.full((len(rows), -(-v // 32)), -1, dtype=torch.int32)
+            bitmask[-1, 1:] = 0  # the plain row: ids 0-31 allowed
+            meta.token_bitmask = bitmask.to(device)
+        sampler(logits[:len(rows)], meta, settle_kept_sets=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

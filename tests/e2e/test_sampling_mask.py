@@ -158,6 +158,27 @@ def test_bitmap_and_ids_give_the_same_sets_chat_stream_with_json_mode(mask_clien
     assert all(len(m) <= 40 for m in results["ids"][1])
 
 
+def test_untruncated_guided_masks_are_not_null_chat_stream(mask_client):
+    """Without truncation under a JSON schema the draw's support is the grammar's allowed set:
+    every token's mask holds it (never null, never the whole vocabulary) with logZ 0, in both
+    forms."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    results = {}
+    for fmt in ("ids", "bitmap"):
+        chunks = [ch.model_dump() for c in mask_client.chat.completions.create(
+            model=MODEL, messages=CHAT, temperature=1.0, max_tokens=24, seed=5, stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            extra_body={"return_token_ids": True, "sampling_mask_format": fmt}) for ch in c.choices]
+        results[fmt] = ([t for c in chunks for t in (c.get("token_ids") or [])],
+                        [m for c in chunks for m in (c.get("sampling_mask") or [])],
+                        [z for c in chunks for z in (c.get("sampling_logz") or [])])
+    tokens, masks, logz = results["ids"]
+    assert results["bitmap"][0] == tokens and decoded(results["bitmap"][1]) == masks
+    check_aligned(masks, logz, tokens)
+    assert all(z == 0.0 for z in logz) and all(len(m) < 49152 for m in masks)
+    assert max(len(m) for m in masks) > 1000  # inside the string: most of the vocabulary
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),

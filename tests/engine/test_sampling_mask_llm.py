@@ -40,9 +40,13 @@ def test_mask_opt_out_per_request(mask_llm):
     assert len(outs[1].outputs[0].sampling_mask) == len(outs[1].outputs[0].token_ids)
 
 
-def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
-    """With structured output, each kept set is a subset of the tokens the grammar allowed."""
+@pytest.mark.parametrize("top_p, mask_format", [(0.95, "ids"), (1.0, "ids"), (1.0, "bitmap")])
+def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm, top_p, mask_format):
+    """With structured output, each kept set is a subset of the tokens the grammar allowed;
+    without truncation it is exactly that set (the draw's support), and logZ is 0."""
     import json
+
+    import numpy as np
 
     from fastdeploy.common.guided_spec import GuidedSpec
     from fastdeploy.model_executor.guided_decoding.compiler import GrammarCompileService
@@ -50,23 +54,34 @@ def test_masks_lie_inside_the_grammar_and_logprobs_come_along(mask_llm):
     from fastdeploy.model_executor.layers.sample.ops import unpack_token_bitmask
 
     spec = GuidedSpec("json_schema", json.dumps(
-        {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"}},
-         "required": ["colour", "n"]}))
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=11, logprobs=3, guided=spec)
-    out = mask_llm.chat([{"role": "user", "content": "A colour and a number as JSON."}], params)[0].outputs[0]
+        {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"},
+                                          "note": {"type": "string", "maxLength": 12}},
+         "required": ["colour", "n", "note"]}))
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=60, seed=11, logprobs=3, guided=spec,
+                            sampling_mask_format=mask_format)
+    out = mask_llm.chat([{"role": "user", "content": "A colour, a number and a note as JSON."}],
+                        params)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
-    assert len(out.sampling_mask) == len(out.token_ids) == len(out.logprobs)
+    assert len(out.sampling_mask) == len(out.token_ids) == len(out.logprobs) == len(out.sampling_logz)
 
     config = mask_llm.engine.executor.runner.model_config
     service = GrammarCompileService.from_tokenizer(mask_llm.tokenizer, config.vocab_size,
                                                    stop_token_ids=list(config.eos_token_ids))
     state = GuidedState(service.compile(spec))
-    for token, mask in zip(out.token_ids, out.sampling_mask, strict=True):
+    sizes = []
+    for token, mask, logz in zip(out.token_ids, out.sampling_mask, out.sampling_logz, strict=True):
         allowed = unpack_token_bitmask(fill_bitmasks([state], config.vocab_size), config.vocab_size)[0]
-        assert mask is not None and token in mask
+        if mask_format == "bitmap":
+            mask = np.flatnonzero(np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")).tolist()
+        assert mask and token in mask
         assert bool(allowed[mask].all()), "a kept token was outside the grammar"
+        if top_p == 1.0:
+            assert mask == allowed.nonzero().squeeze(1).tolist() and logz == 0.0
+        sizes.append(len(mask))
         assert state.accept(token)
     service.shutdown()
+    if top_p == 1.0:  # the string's characters: most of the vocabulary, short of all of it
+        assert max(sizes) > config.vocab_size // 2
 
 
 def test_bitmap_format_offline_gives_the_same_tokens_and_sets(mask_llm):

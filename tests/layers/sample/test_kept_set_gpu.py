@@ -326,14 +326,16 @@ def _runner_row_groups(t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: to
                      truncated_top_k=k[groups[1]].numpy())
 
 
-def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) -> None:
+def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool, guided: bool = False) -> None:
     """The one-launch mask bounds (`_mask_rows_kernel`) through the sampler: every kind of row
     (truncating, greedy, greedy with -inf logits, plain, opting out, unsettled), with the
     host's mask slots and with slots derived on the device, gives the CPU path's tokens, CSR
     rows and logZ. Unsettled rows get UNSETTLED_TOKEN and an empty row. The ids' buffer holds
     top_k ids for a row with top_k given on the host, else the vocabulary; one per greedy row.
     Rows asked for as bitmaps (`_bits_kernel`) hold the same sets, bit for bit, and an empty
-    CSR row; the other rows' bitmaps are zero, as are an unsettled row's."""
+    CSR row; the other rows' bitmaps are zero, as are an unsettled row's. With ``guided``, a
+    grammar's bitmask in the step: plain row 4 allows every third id and keeps exactly those
+    (logZ 0), plain row 11 allows every id and stays null; the buffer holds V ids a plain row."""
     from fastdeploy.model_executor.layers.sample import kept_set_prefilter as pf
 
     ksg.CANDIDATES = 64  # the interpreter's sort of the default 2048 candidates takes minutes
@@ -346,7 +348,15 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
     x[1] *= 0.1  # flat
     t[2] = t[5] = t[9] = 0.0  # greedy
     x[5, ::3] = -math.inf  # greedy with grammar-masked tokens
-    k[4], p[4], mp[4] = 0, 1.0, 0.0  # plain: a null mask
+    k[4], p[4], mp[4] = 0, 1.0, 0.0  # plain: a null mask (without a grammar)
+    bitmask = None
+    if guided:
+        k[11], p[11], mp[11] = 0, 1.0, 0.0  # plain, the grammar allows everything: null
+        allowed = torch.ones(b, -(-v // 32) * 32, dtype=torch.bool)
+        allowed[4] = torch.arange(allowed.shape[1]) % 3 == 0
+        words = (allowed.view(b, -1, 32).long() << torch.arange(32)).sum(-1)
+        bitmask = words.to(torch.int64).numpy().astype(np.uint32).view(np.int32)
+        bitmask = torch.from_numpy(bitmask)
     asked = [True] * b
     asked[3] = asked[9] = False  # opt out: a truncating and a greedy row
 
@@ -354,7 +364,7 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
         ksg.uses_fast_path = lambda device: fast
         gens = [torch.Generator().manual_seed(300 + r) for r in range(b)]
         meta = make_meta(b, temperature=t.tolist(), top_k=k.tolist(), top_p=p.tolist(), min_p=mp.tolist(),
-                         generators=gens, return_sampling_mask=asked)
+                         generators=gens, return_sampling_mask=asked, token_bitmask=bitmask)
         if host_slots:
             meta.row_groups = _runner_row_groups(t, k, p, mp)
         meta.mask_bitmap_rows = bitmap_rows
@@ -363,11 +373,13 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
     cpu = sample(False, False)
     truncating = (t > 0) & ((k > 0) | (p < 1) | (mp > 0))
     greedy = int((t <= 0).sum())
+    plain_ids = int(((t > 0) & ~truncating).sum()) * v if guided else 0
     unsettled = None
     for host_slots in (True, False):
         fast = sample(True, host_slots)
         per_row = torch.where(k[truncating] > 0, k[truncating].clamp(max=v), v) if host_slots else v
-        assert fast.mask_ids.numel() == int(torch.as_tensor(per_row).expand(int(truncating.sum())).sum()) + greedy
+        assert fast.mask_ids.numel() == (int(torch.as_tensor(per_row).expand(int(truncating.sum())).sum())
+                                         + greedy + plain_ids)
         marked = fast.sampled_token_ids == UNSETTLED_TOKEN
         assert unsettled is None or torch.equal(marked, unsettled)
         unsettled = marked
@@ -380,8 +392,11 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool) 
                 continue
             assert csr_row(fast, r) == csr_row(cpu, r), f"row {r}"
             assert abs(float(fast.logz[r]) - float(cpu.logz[r])) <= LOGZ_TOL, f"row {r}"
-        assert csr_row(fast, 4) == csr_row(fast, 3) == csr_row(fast, 9) == []
+        assert csr_row(fast, 3) == csr_row(fast, 9) == []
+        assert csr_row(fast, 4) == (list(range(0, v, 3)) if guided else [])
         assert float(fast.logz[4]) == float(fast.logz[9]) == 0.0
+        if guided:
+            assert csr_row(fast, 11) == [] and float(fast.logz[11]) == 0.0
         assert len(csr_row(fast, 2)) == len(csr_row(fast, 5)) == 1
         as_bits = torch.tensor([r % 3 != 1 for r in range(b)])  # every kind of row, both ways
         bits = sample(True, host_slots, as_bits)
@@ -464,7 +479,8 @@ INTERPRETER = InterpreterProcess(__file__, warm_imports=("fastdeploy.engine.engi
 PREFETCHABLE = {
     "test_unsettled_rows_are_marked_then_settled_interpreted": "interpreted_unsettled_rows_are_marked_then_settled()",
     "test_sampler_masks_from_candidates_interpreted": "interpreted_sampler_masks_from_candidates()",
-    "test_mask_rows_match_cpu_path_interpreted": "interpreted_mask_rows_match_cpu_path({v}, {prefilter}, {starve})",
+    "test_mask_rows_match_cpu_path_interpreted":
+        "interpreted_mask_rows_match_cpu_path({v}, {prefilter}, {starve}, {guided})",
     "test_kernel_matches_reference_interpreted": "interpreted_case({rows}, {v}, {seed}, {candidates})",
     "test_prefilter_matches_reference_interpreted": "interpreted_prefilter_case({rows}, {v}, {seed}, {cap})",
     "test_kernel_span_cut_rows_interpreted": "interpreted_span_cut_rows_with_poisoned_scratch()",
@@ -505,9 +521,10 @@ def test_sampler_masks_from_candidates_interpreted(interpreter):
     interpreter.run("interpreted_sampler_masks_from_candidates()")
 
 
-@pytest.mark.parametrize("v, prefilter, starve", [(300, False, False), (1500, True, False), (400, False, True)])
-def test_mask_rows_match_cpu_path_interpreted(interpreter, v, prefilter, starve):
-    interpreter.run(f"interpreted_mask_rows_match_cpu_path({v}, {prefilter}, {starve})")
+@pytest.mark.parametrize("v, prefilter, starve, guided", [(300, False, False, False), (1500, True, False, False),
+                                                           (400, False, True, False), (300, False, False, True)])
+def test_mask_rows_match_cpu_path_interpreted(interpreter, v, prefilter, starve, guided):
+    interpreter.run(f"interpreted_mask_rows_match_cpu_path({v}, {prefilter}, {starve}, {guided})")
 
 
 def test_engine_redraws_unsettled_rows_interpreted(interpreter, tmp_path):
@@ -562,11 +579,29 @@ def _to(obj, device):
     return dataclasses.replace(obj, **{n: t.to(device) for n, t in tensors.items() if isinstance(t, torch.Tensor)})
 
 
-def _sampler_check(device: str, b: int, v: int, seed: int) -> float:
+def _random_bitmask(rng: np.random.Generator, b: int, v: int) -> torch.Tensor:
+    """A grammar's int32 bitmask: each id allowed with probability 0.7, row 0 every id."""
+    words = -(-v // 32)
+    bits = rng.random((b, words * 32)) < 0.7
+    bits[0] = True
+    packed = (bits.reshape(b, words, 32).astype(np.int64) << np.arange(32)).sum(-1)
+    return torch.from_numpy(packed.astype(np.uint32).view(np.int32))
+
+
+def _sampler_check(device: str, b: int, v: int, seed: int, guided: bool = False) -> float:
+    """The sampler's tokens, kept sets and logZ against the float64 reference; with ``guided`` a
+    grammar's bitmask masks the step, and a plain row keeps exactly the ids it allows (null
+    where it allows every id)."""
     rng = np.random.default_rng(seed)
     x, t, k, p, mp = _random_rows(rng, b, v)
     t[rng.random(b) < 0.1] = 0.0  # greedy rows
+    if guided:  # plain rows: the grammar's allowed ids are their kept sets
+        plain = torch.from_numpy(rng.random(b) < 0.3)
+        plain[0] = True
+        t[0] = 1.0
+        k[plain], p[plain], mp[plain] = 0, 1.0, 0.0
     req = (rng.random(b) < 0.9).tolist()
+    req[0] = True
     meta = make_meta(
         b,
         temperature=t.tolist(),
@@ -576,6 +611,7 @@ def _sampler_check(device: str, b: int, v: int, seed: int) -> float:
         return_sampling_mask=req,
         max_num_logprobs=2,
         logprobs_mode="processed_logprobs",
+        token_bitmask=_random_bitmask(rng, b, v) if guided else None,
     )
     meta = _to(meta, device)
     logits = x.to(device)
@@ -594,6 +630,11 @@ def _sampler_check(device: str, b: int, v: int, seed: int) -> float:
             assert tok in set(ref.ids.tolist()) | ref.ambiguous
             # processed logprobs: nothing outside the kept set
             assert math.isfinite(float(out_cpu.logprobs[r, 0]))
+        if guided and not truncates and req[r]:
+            allowed = np.flatnonzero(np.isfinite(proc[r].numpy())).tolist()
+            assert row == ([] if len(allowed) == v else allowed), f"row {r}"
+            assert float(out_cpu.logz[r]) == 0.0 and (r == 0 or tok in row)
+            continue
         if not (truncates and req[r]):
             assert row == [] and float(out_cpu.logz[r]) == 0.0
             continue
@@ -681,6 +722,17 @@ def test_gpu_masks_identical_to_cpu_reference(b, v):
 def test_gpu_sampler_mask_and_draw():
     worst = max(_sampler_check("cuda", 64, 49152, seed=31), _sampler_check("cuda", 128, 500, seed=32))
     print(f"\nKEPT_SET_GPU sampler max_logz_err={worst:.3e}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_sampler_masks_under_a_grammar():
+    _sampler_check("cuda", 64, 49152, seed=33, guided=True)
+    _sampler_check("cuda", 32, 151936, seed=34, guided=True)
+
+
+def test_sampler_masks_under_a_grammar_cpu():
+    _sampler_check("cpu", 16, 2000, seed=33, guided=True)
 
 
 @pytest.mark.gpu

@@ -75,6 +75,13 @@ def _check_batch(logits, meta) -> tuple[int, int]:
         if truncates:
             # Whether or not the mask was requested, the draw stays in the reference set.
             assert tok in set(ref.ids.tolist()) | ref.ambiguous
+        if not truncates and meta.token_bitmask is not None and bool(meta.return_sampling_mask[r]):
+            # No truncation under a grammar: the draw's support is the ids the bitmask allowed.
+            allowed = np.flatnonzero(np.isfinite(proc[r].numpy())).tolist()
+            assert ids == ([] if len(allowed) == proc.shape[1] else allowed) and float(out.logz[r]) == 0.0
+            assert not ids or tok in ids
+            checked += 1
+            continue
         if not (truncates and bool(meta.return_sampling_mask[r])):
             assert ids == [] and float(out.logz[r]) == 0.0
             continue

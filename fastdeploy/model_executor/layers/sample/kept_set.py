@@ -1,7 +1,9 @@
 """The kept set behind one interface: what the sampler asks of top-k / top-p / min-p.
 
 The kept set of a truncating row is the support the sampler draws from after top-k, top-p
-(on the top-k renormalised mass) and min-p. Two backends compute it:
+(on the top-k renormalised mass) and min-p. A row without truncation draws from every id its
+processed logits leave finite: the whole vocabulary (a null mask), unless a grammar's bitmask
+disallowed some, and then those it allowed. Two backends compute them:
 
 * `kept_set_torch.TorchKeptSetBackend`: sorted windows decided in float64, any device; the
   exact oracle the other backend is held to.
@@ -86,7 +88,7 @@ class KeptSetBackend(Protocol):
         proc: torch.Tensor,
         meta: SamplingMetadata,
         requested: torch.Tensor,
-        groups: tuple[torch.Tensor, torch.Tensor],
+        groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         kept: KeptSets | None,
         as_bits: torch.Tensor | None,
     ) -> None:
@@ -94,9 +96,11 @@ class KeptSetBackend(Protocol):
         [B]) is given, ``out.mask_bits``: kept sets of the requested rows (bool [B]) as CSR,
         the rows of ``as_bits`` as bitmaps with empty CSR rows.
 
-        proc: float32 [B, V]. groups: the greedy and truncating rows (int64); a greedy row keeps
-        its sampled token (``out.sampled_token_ids``), with logZ its mass under the temperature-1
-        softmax; rows without truncation, or that did not ask, are empty with logZ 0.
+        proc: float32 [B, V]. groups: the greedy, truncating and plain rows (int64); a greedy
+        row keeps its sampled token (``out.sampled_token_ids``), with logZ its mass under the
+        temperature-1 softmax. Where ``meta.token_bitmask`` is set, a plain row keeps the ids
+        whose processed logits are finite (logZ 0: the draw's whole mass), and is empty if that
+        is every id; otherwise plain rows, and rows that did not ask, are empty with logZ 0.
         kept: the truncating rows' sets (None without such rows).
         """
         ...

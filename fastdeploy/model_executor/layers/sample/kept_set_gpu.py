@@ -66,7 +66,7 @@ from fastdeploy.common.devices import multiprocessors
 from fastdeploy.model_executor.layers.sample import kept_set_mask_kernels as mask_kernels
 from fastdeploy.model_executor.layers.sample import kept_set_prefilter as prefilter_module
 from fastdeploy.model_executor.layers.sample import kept_set_search_kernels as search_kernels
-from fastdeploy.model_executor.layers.sample.kept_set import GREEDY_SLOT
+from fastdeploy.model_executor.layers.sample.kept_set import GREEDY_SLOT, PLAIN_SLOT
 from fastdeploy.model_executor.layers.sample.truncation import KeptSet, kept_set_full_sort
 
 try:  # pragma: no cover - only on machines with triton
@@ -334,6 +334,7 @@ def fill_sampling_mask_dense(
     capacity: int,
     kept: GpuKeptSet | None,
     bitmap_rows: torch.Tensor | None = None,
+    guided: bool = False,
 ) -> None:
     """`kept_set_torch.fill_sampling_mask` on CUDA: the CSR compacted from the kept bounds.
 
@@ -343,7 +344,9 @@ def fill_sampling_mask_dense(
 
     slots int32 [B]: a truncating row's index in ``kept`` (>= 0), `GREEDY_SLOT` for a greedy
     row, -1 for a plain one. Truncating rows take their kept set; greedy rows their sampled
-    argmax, with logz its mass under the temperature-1 softmax; other rows are empty with logz 0.
+    argmax, with logz its mass under the temperature-1 softmax. With ``guided`` (a grammar's
+    bitmask in the step) a plain row keeps its finite logits, logz 0, and is empty if every
+    logit is finite; other rows are empty with logz 0.
     capacity: an upper bound on the ids of all rows (the caller's, from the shapes and top_k).
 
     Three launches (the rows' bounds, their cumsum, the compaction; a fourth for bitmaps) and no
@@ -369,8 +372,9 @@ def fill_sampling_mask_dense(
                                                                                            counts)
     full_row = pf.full_row if pf is not None else counts
     mask_kernels._mask_rows_kernel[(b,)](x, x.stride(0), v, slots, requested, out.sampled_token_ids, *trunc, full_row,
-                            value, last, counts, logz, src, offsets, GREEDY=GREEDY_SLOT,
-                            TRUNCATED=kb is not None, CANDIDATE_ROWS=pf is not None, BLOCK=2 * BLOCK, num_warps=4)
+                            value, last, counts, logz, src, offsets, GREEDY=GREEDY_SLOT, PLAIN=PLAIN_SLOT,
+                            TRUNCATED=kb is not None, GUIDED=guided, CANDIDATE_ROWS=pf is not None,
+                            BLOCK=2 * BLOCK, num_warps=4)
     if bitmap_rows is not None:
         width = -(-v // 8)
         out.mask_bits = torch.empty(b, width, dtype=torch.uint8, device=dev)

@@ -94,10 +94,11 @@ if triton is not None:
     def _mask_rows_kernel(x_ptr, stride, V, slot_ptr, req_ptr, tok_ptr,
                           kv_ptr, klast_ptr, kcount_ptr, klogz_ptr, kfail_ptr, kfull_ptr,
                           value_ptr, last_ptr, count_ptr, logz_ptr, src_ptr, off_ptr,
-                          GREEDY: tl.constexpr, TRUNCATED: tl.constexpr, CANDIDATE_ROWS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          GREEDY: tl.constexpr, PLAIN: tl.constexpr, TRUNCATED: tl.constexpr,
+                          GUIDED: tl.constexpr, CANDIDATE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """One row's kept bounds for the sampling mask's CSR (see `fill_sampling_mask_dense`),
-        one program per row of the batch; only a greedy row reads its logits."""
+        one program per row of the batch; only a greedy row, or with GUIDED a plain one, reads
+        its logits."""
         row = tl.program_id(0).to(tl.int64)
         s = tl.load(slot_ptr + row).to(tl.int64)
         req = tl.load(req_ptr + row) != 0
@@ -120,15 +121,20 @@ if triton is not None:
             tl.store(src_ptr + row, -1)
         # A greedy row keeps its token (the first argmax); logz = x[tok] - logsumexp(x), from
         # per-lane running maxima and sums over the row (no pass at all for other rows).
+        # A plain row under a grammar (GUIDED) keeps its finite logits, the ids the bitmask
+        # allowed: bounds (-inf, -1) select exactly those; a row with every id finite is null.
         is_g = req & (s == GREEDY)
+        is_p = req & (s == PLAIN) & GUIDED
         tok = tl.load(tok_ptr + row, mask=is_g, other=0)
         xt = tl.load(x_ptr + row * stride + tok, mask=is_g, other=0.0)
         offs = tl.arange(0, BLOCK)
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(0, tl.where(is_g, V, 0), BLOCK):
+        finite = tl.zeros([BLOCK], tl.int32)
+        for i in range(0, tl.where(is_g | is_p, V, 0), BLOCK):
             o = i + offs
             x = tl.load(x_ptr + row * stride + o, mask=o < V, other=float("-inf"))
+            finite += (x > float("-inf")).to(tl.int32)
             m_new = tl.maximum(m, x)
             live = m_new > float("-inf")
             acc = tl.where(live, acc * tl.exp(tl.where(live, m - m_new, 0.0)) + tl.exp(x - m_new), 0.0)
@@ -139,6 +145,10 @@ if triton is not None:
         last = tl.where(is_g, tok.to(tl.int32), last)
         count = tl.where(is_g, 1, count)
         logz = tl.where(is_g, (xt - top) - tl.log(total), logz)
+        allowed = tl.sum(finite, axis=0)
+        is_p = is_p & (allowed < V)
+        value = tl.where(is_p, float("-inf"), value)
+        count = tl.where(is_p, allowed, count)
         tl.store(value_ptr + row, value)
         tl.store(last_ptr + row, last)
         tl.store(count_ptr + row, count)

@@ -77,13 +77,14 @@ class TorchKeptSetBackend:
         proc: torch.Tensor,
         meta: SamplingMetadata,
         requested: torch.Tensor,
-        groups: tuple[torch.Tensor, torch.Tensor],
+        groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         kept: KeptSets | None,
         as_bits: torch.Tensor | None,
     ) -> None:
         assert kept is None or isinstance(kept, WindowKeptSets)
-        g_rows, t_rows = groups
-        fill_sampling_mask(out, proc, requested, g_rows, t_rows, kept.window if kept is not None else None, as_bits)
+        g_rows, t_rows, p_rows = groups
+        fill_sampling_mask(out, proc, requested, g_rows, t_rows, kept.window if kept is not None else None, as_bits,
+                           p_rows if meta.token_bitmask is not None else None)
 
 
 def fill_sampling_mask(
@@ -94,11 +95,15 @@ def fill_sampling_mask(
     t_rows: torch.Tensor,
     win: KeptWindow | None,
     as_bits: torch.Tensor | None = None,
+    guided_rows: torch.Tensor | None = None,
 ) -> None:
     """Kept sets as CSR (int32 offsets [B+1], ids [M] ascending per row) and logz float32 [B];
     the rows of `as_bits` (bool [B]) as bitmaps (`out.mask_bits`) with empty CSR rows.
 
-    Rows that do not truncate, or did not ask, get an empty CSR row and logz 0.
+    guided_rows: rows without truncation in a step a grammar masked (int64). Each keeps the
+    ids its processed logits leave finite, logz 0, and an empty row if that is every id (a row
+    the grammar does not constrain). Other rows that do not truncate, or did not ask, get an
+    empty CSR row and logz 0.
     """
     device = proc.device
     b, v = proc.shape
@@ -124,9 +129,16 @@ def fill_sampling_mask(
             lse = scaled_lse(x, torch.ones(rows.numel(), device=device), exact=False)
             logz[rows] = (x.gather(1, tok.unsqueeze(1)).squeeze(1).double() - lse).float()
     out.logz = logz
+    # A draw without truncation over a grammar's bitmask: its support is the allowed ids.
+    p_kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, bool [n, V] flags)
+    if guided_rows is not None and guided_rows.numel():
+        rows = guided_rows[requested[guided_rows]]
+        if rows.numel():
+            flags = torch.isfinite(take_rows(proc, rows))
+            p_kept = rows, flags & ~flags.all(dim=1, keepdim=True)
 
     wants_bits = as_bits is not None and bool(as_bits.any())
-    if not wants_bits and (t_kept is None or t_kept[1].shape[1] <= SORTED_CSR_MAX_WINDOW):
+    if not wants_bits and p_kept is None and (t_kept is None or t_kept[1].shape[1] <= SORTED_CSR_MAX_WINDOW):
         # Narrow windows (peaked rows): each row's kept ids sorted within its window, a few
         # hundred entries, instead of a dense [B, V] flag array to select from (about 10 ms a
         # step at batch 16 with a 49k vocabulary on 2 CPU cores, for a hundred ids a row).
@@ -157,6 +169,8 @@ def fill_sampling_mask(
             kept_flags[rows] = torch.zeros(rows.numel(), v, dtype=torch.bool, device=device).scatter_(1, ids, True)
     if g_kept is not None:
         kept_flags[g_kept[0], g_kept[1]] = True
+    if p_kept is not None:
+        kept_flags[p_kept[0]] = p_kept[1]
     if as_bits is not None:
         out.mask_bits = pack_bits(kept_flags & as_bits.unsqueeze(1))
         if bool((as_bits | ~requested).all()):  # no row lists ids: the CSR is empty

@@ -70,17 +70,19 @@ class TritonKeptSetBackend:
         proc: torch.Tensor,
         meta: SamplingMetadata,
         requested: torch.Tensor,
-        groups: tuple[torch.Tensor, torch.Tensor],
+        groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         kept: KeptSets | None,
         as_bits: torch.Tensor | None,
     ) -> None:
         assert kept is None or isinstance(kept, DenseKeptSets)
-        g_rows, t_rows = groups
+        g_rows, t_rows, p_rows = groups
         b, v = proc.shape
         slots = _mask_slots(meta, b, g_rows, t_rows)
-        capacity = _mask_capacity(meta, v, t_rows.numel()) + g_rows.numel()
+        guided = meta.token_bitmask is not None
+        capacity = _mask_capacity(meta, v, t_rows.numel()) + g_rows.numel() + (p_rows.numel() * v if guided else 0)
         dense = kept.kept if kept is not None else None
-        kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, capacity, dense, bitmap_rows=as_bits)
+        kept_set_gpu.fill_sampling_mask_dense(out, proc, requested, slots, capacity, dense, bitmap_rows=as_bits,
+                                              guided=guided)
 
 
 def _mask_slots(meta: SamplingMetadata, b: int, g_rows: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:

@@ -251,7 +251,7 @@ class Sampler:
         # Rows the kernel left unsettled (only without `settle`) get the redraw marker below.
         unsettled = kept.unsettled() if kept is not None else None
         if requested is not None:
-            backend.fill_sampling_mask(out, proc, meta, requested, (g_rows, t_rows), kept, as_bits)
+            backend.fill_sampling_mask(out, proc, meta, requested, (g_rows, t_rows, p_rows), kept, as_bits)
         if unsettled is not None:
             out.sampled_token_ids[t_rows] = torch.where(unsettled, UNSETTLED_TOKEN, sampled[t_rows])
         return out
