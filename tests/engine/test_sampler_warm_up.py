@@ -46,7 +46,8 @@ def sampled(monkeypatch) -> list[dict]:
     def recording(self, logits, meta, settle_kept_sets=False):
         greedy, truncated, plain = meta.row_groups.host
         calls.append({"greedy": len(greedy), "truncated": len(truncated), "plain": len(plain),
-                      "masks": meta.return_sampling_mask is not None, "logprobs": meta.max_num_logprobs})
+                      "masks": meta.return_sampling_mask is not None, "logprobs": meta.max_num_logprobs,
+                      "grammar": meta.token_bitmask is not None})
         out = call(self, logits, meta, settle_kept_sets)
         assert out.sampled_token_ids.shape == (logits.shape[0],)
         return out
@@ -58,10 +59,12 @@ def sampled(monkeypatch) -> list[dict]:
 @pytest.mark.parametrize("masks", [True, False])
 def test_start_up_samples_every_kind_of_row(model_dir, sampled, masks) -> None:
     _runner(model_dir, masks)
-    mixed = {"greedy": 1, "truncated": 3, "plain": 1, "logprobs": 1}
+    mixed = {"greedy": 1, "truncated": 3, "plain": 1, "logprobs": 1, "grammar": False}
     want = [{**mixed, "masks": False}]
-    if masks:  # the masked path, and a step whose masked rows are all greedy (no kept sets)
-        want += [{**mixed, "masks": True}, {"greedy": 2, "truncated": 0, "plain": 0, "masks": True, "logprobs": -1}]
+    if masks:  # the masked path, a step whose masked rows are all greedy (no kept sets), one under a grammar
+        want += [{**mixed, "masks": True},
+                 {"greedy": 2, "truncated": 0, "plain": 0, "masks": True, "logprobs": -1, "grammar": False},
+                 {**mixed, "masks": True, "grammar": True}]
     assert sampled == want
 
 
