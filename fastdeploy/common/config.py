@@ -135,25 +135,17 @@ def pipelines_steps(config: EngineConfig) -> bool:
     to the other ranks). `auto`: on CUDA, where the host's share of a step would otherwise leave
     the GPU idle; on CPU the worker computes on the same cores the engine would overlap with.
 
-    Adaptive speculation pipelines the steps its draft policy gives no drafts (a busy batch):
-    there it decodes about as fast as without speculation (MTP's head still takes in each such
-    step's tokens, from the device, before the next step runs). On one GPU both methods draft on
-    the device (MTP's module; n-gram lookup in the context the worker keeps there), and their
-    verify steps go ahead too; under tensor parallelism a step with drafts runs in turn. Fixed
-    drafts keep every step in turn; `on` with them is refused."""
+    With speculation, a step without drafts goes ahead like any decode step (adaptive
+    speculation gives a busy batch none; MTP's head still takes in each such step's tokens, from
+    the device, before the next step runs). On one GPU both methods draft on the device (MTP's
+    module; n-gram lookup in the context the worker keeps there), so their verify steps go ahead
+    too, adaptive or fixed; under tensor parallelism a step with drafts runs in turn."""
     mode = config.async_scheduling
     if mode not in ASYNC_SCHEDULING_MODES:
         raise ValueError(f"unknown async_scheduling {mode!r}; expected one of {', '.join(ASYNC_SCHEDULING_MODES)}")
     if mode == "off":
         return False
-    spec = config.speculative
-    overlappable = spec is None or spec.adaptive
-    if mode == "on":
-        if not overlappable:
-            raise ValueError("async_scheduling 'on' does not work with fixed-draft speculative decoding "
-                             "(adaptive speculation pipelines its steps without drafts); use auto or off")
-        return True
-    return config.device.startswith("cuda") and overlappable
+    return mode == "on" or config.device.startswith("cuda")
 
 
 # MTP's passes run the target's embedding and output head, which under tensor parallelism are

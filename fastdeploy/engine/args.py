@@ -173,8 +173,8 @@ class EngineArgs:
         parser.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_MODES), default=d.async_scheduling,
                             help="schedule and launch step N+1 while step N runs, its input tokens taken from "
                                  "step N's sampler on the device, so the GPU does not wait for the host between "
-                                 "steps; auto: on for CUDA without speculative decoding, or with adaptive (n-gram or "
-                                 "MTP) speculation (on one GPU its steps with drafts too)")
+                                 "steps; auto: on for CUDA, with or without n-gram or MTP speculation (on one GPU "
+                                 "its steps with drafts too)")
         return parser
 
     @classmethod

@@ -33,7 +33,7 @@ from fastdeploy.engine.admission import admit_request
 from fastdeploy.engine.executor import Executor, PendingStep
 from fastdeploy.output.token_processor import AppliedStep, TokenProcessor
 from fastdeploy.scheduler.block_manager import BlockManager
-from fastdeploy.scheduler.draft_policy import DraftPolicy
+from fastdeploy.scheduler.draft_policy import DraftPolicy, FixedDraftCap
 from fastdeploy.scheduler.prefix_hash import root_hash
 from fastdeploy.scheduler.scheduler import Scheduler, SchedulerStep
 from fastdeploy.scheduler.sequence import Sequence
@@ -98,8 +98,10 @@ class EngineCore:
                                    num_draft_model_slots=beyond,
                                    prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
         self.spec_stats = SpecDecodeStats()
-        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, pipelined_zero=self._pipelining)
-                             if spec is not None and spec.adaptive else None)
+        self.draft_policy: DraftPolicy | FixedDraftCap | None = None
+        if spec is not None:
+            self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, pipelined_zero=self._pipelining)
+                                 if spec.adaptive else FixedDraftCap(spec.num_speculative_tokens))
         self._announced_cap: int | None = None  # the next step's draft cap, sent with the last step
         self._last_frame_at = 0.0  # perf_counter when the last step's frame was read
         self.token_processor = TokenProcessor(info.eos_token_ids, self.max_model_len)

@@ -58,6 +58,28 @@ PLAUSIBLE_RETRY_STEPS = 4
 ZERO_RUN_STEPS = 4
 
 
+@dataclass
+class FixedDraftCap:
+    """`"adaptive": false`: every step may verify the configured number of drafts. Shares the
+    policy's interface so that the engine sends such steps ahead alike (on one GPU the worker
+    drafts on the device), instead of running them in turn for a host-side proposer."""
+
+    num_speculative_tokens: int
+
+    def cap(self, num_rows: int) -> int:
+        return self.num_speculative_tokens
+
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
+                drafted_next: bool = False) -> None:
+        """Nothing is measured: the cap does not change."""
+
+    def describe(self) -> str:
+        return f"fixed at {self.num_speculative_tokens}"
+
+    def details(self) -> dict[str, dict]:
+        return {}
+
+
 def draft_caps(num_speculative_tokens: int) -> list[int]:
     """The caps tried: no drafts, powers of two below the configured number, and that number."""
     caps = [0]

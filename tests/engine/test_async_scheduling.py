@@ -26,6 +26,7 @@ from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor, LocalStep, WorkerProcessExecutor
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
+from fastdeploy.scheduler.draft_policy import FixedDraftCap
 from tests.random_qwen2 import save_random_qwen2
 
 VOCAB = 2_000
@@ -313,32 +314,21 @@ def test_modes_and_what_refuses_them() -> None:
     assert not pipelines_steps(dataclasses.replace(cuda, async_scheduling="off"))
     assert pipelines_steps(dataclasses.replace(cuda, tensor_parallel_size=2))  # rank 0 broadcasts the tokens
     assert pipelines_steps(EngineArgs(async_scheduling="on", tensor_parallel_size=2).create_engine_config())
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert pipelines_steps(dataclasses.replace(cuda, speculative=ngram))  # its steps without drafts
-    assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(
-        method="ngram", num_speculative_tokens=2, adaptive=False)))
-    assert pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(method="mtp",
-                                                                                   num_speculative_tokens=2)))
-    assert not pipelines_steps(dataclasses.replace(cuda, speculative=SpeculativeConfig(
-        method="mtp", num_speculative_tokens=2, adaptive=False)))
-    for refused in ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
-                    {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}):
-        with pytest.raises(ValueError, match="speculative decoding"):
-            EngineArgs(async_scheduling="on", speculative_config=refused).create_engine_config()
     for method in ("ngram", "mtp"):
-        assert pipelines_steps(EngineArgs(async_scheduling="on", speculative_config={
-            "method": method, "num_speculative_tokens": 2}).create_engine_config())
+        for adaptive in (True, False):  # fixed drafts too: their verify steps are drafted on the device
+            spec = SpeculativeConfig(method=method, num_speculative_tokens=2, adaptive=adaptive)
+            assert pipelines_steps(dataclasses.replace(cuda, speculative=spec))
+            assert not pipelines_steps(dataclasses.replace(cpu, speculative=spec))
+            assert pipelines_steps(EngineArgs(async_scheduling="on", speculative_config={
+                "method": method, "num_speculative_tokens": 2, "adaptive": adaptive}).create_engine_config())
     with pytest.raises(ValueError, match="unknown async_scheduling"):
         EngineArgs(async_scheduling="sometimes").create_engine_config()
 
 
-def test_the_server_refuses_on_where_steps_cannot_overlap(capsys) -> None:
-    """A usage error naming the conflict, before anything starts."""
-    from fastdeploy.entrypoints.openai.api_server import build_app, make_parser
+def test_the_server_refuses_an_unknown_mode(capsys) -> None:
+    """A usage error before anything starts."""
+    from fastdeploy.entrypoints.openai.api_server import make_parser
 
-    with pytest.raises(SystemExit, match="does not work with fixed-draft speculative decoding"):
-        build_app(make_parser().parse_args(["--async-scheduling", "on", "--speculative-config",
-                                            '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}']))
     with pytest.raises(SystemExit):  # argparse: not a mode
         make_parser().parse_args(["--async-scheduling", "sometimes"])
     assert "--async-scheduling" in make_parser().format_help()
@@ -598,6 +588,40 @@ def test_mtp_drafts_ahead_keep_every_request_as_in_turn(predictable_dir, mtp_hea
         assert got["masks"][:cut] == want["masks"][:cut], request_id
         torch.testing.assert_close(torch.tensor(got["logprobs"][:cut]), torch.tensor(want["logprobs"][:cut]),
                                    atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_fixed_drafts_send_their_verify_steps_ahead(predictable_dir, mtp_head_dir, device, method) -> None:
+    """`"adaptive": false` with steps overlapped: every decode step verifies the configured
+    drafts, made on the device, and goes out ahead of the running one; the greedy text and
+    logprobs are those of decoding without speculation."""
+    seeds = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [12, 13, 14, 15, 16]]
+
+    def requests(prompts: list[list[int]], max_tokens: int = 24) -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2), 0.0)
+                for i, p in enumerate(prompts)]
+
+    # Prompts that hold their own continuation (as in the adaptive n-gram test): lookups find it.
+    off = _config(predictable_dir, "off", device=device)
+    first = _run(EngineCore(off, InProcessExecutor(off)), requests(seeds, 16))
+    prompts = [seed + first[f"r{i}"]["tokens"] + seed for i, seed in enumerate(seeds)]
+    plain = _run(EngineCore(off, InProcessExecutor(off)), requests(prompts))
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=2, adaptive=False, prompt_lookup_min=1,
+                             prompt_lookup_max=3, model=mtp_head_dir if method == "mtp" else None)
+    config = dataclasses.replace(_config(predictable_dir, "on", device=device), speculative=spec)
+    executor = RecordingExecutor(config)
+    core = EngineCore(config, executor)
+    assert isinstance(core.draft_policy, FixedDraftCap) and core.draft_policy.describe() == "fixed at 2"
+    _assert_same(_run(core, requests(prompts)), plain)
+    stats = core.spec_stats
+    assert stats.num_accepted_draft_tokens >= 5, stats
+    # Every decode step reserved the drafts' rows and announced the fixed cap; verify steps went
+    # out ahead of the running one (which only the device's drafting allows).
+    assert {step.next_draft_cap for step in executor.sent} == {2}
+    with_drafts = [step for step in executor.sent if any(c.num_lookahead for c in step.chunks)]
+    assert len(with_drafts) >= 10 and sum(step.followed for step in with_drafts) >= len(with_drafts) - 3
+    assert stats.num_verify_steps >= 5 and stats.num_steps_ahead >= stats.num_steps - 3, stats
 
 
 def test_mtp_drafts_ahead_at_the_context_end_in_a_short_pool_and_on_abort(predictable_dir, mtp_head_dir) -> None:
