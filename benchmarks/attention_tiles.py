@@ -27,7 +27,7 @@ from benchmarks.common import machine_info, png_path, print_machine, print_table
 from fastdeploy.model_executor.layers import triton_attention as ta  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-SHIPPED = (ta._BLOCK_N, 4, 2)  # paged_decode_attention's tile width, warps, stages
+SHIPPED = (ta._BLOCK_N, ta._DECODE_WARPS, ta._DECODE_STAGES)  # paged_decode_attention's tile width, warps, stages
 
 
 def time_shape(rows: int, context: int) -> list[dict[str, Any]]:

@@ -48,10 +48,11 @@ MESSAGE_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 STRICT_JSON = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def drop_inert(data: Any, known: Iterable[str], ignored: frozenset[str],
-               neutral: dict[str, tuple[Any, ...]]) -> Any:
-    """`data` without the keys that ask nothing of the server: `ignored` ones, and `neutral` ones at
-    a value that asks for nothing. A key the model declares (`known`) is always kept."""
+def drop_inert(data: Any, known: Iterable[str], neutral: dict[str, tuple[Any, ...]],
+               ignored: frozenset[str] = frozenset()) -> Any:
+    """`data` without the keys that ask nothing of the server: `neutral` ones at a value that asks
+    for nothing, and `ignored` ones whatever their value. A key the model declares (`known`) is
+    always kept."""
     if not isinstance(data, dict):
         return data
     known = set(known)
@@ -92,7 +93,7 @@ class ChatMessage(BaseModel):
     @classmethod
     def drop_inert_fields(cls, data: Any) -> Any:
         """Drop the message fields that ask nothing of this server (see MESSAGE_NEUTRAL_VALUES)."""
-        return drop_inert(data, cls.model_fields, MESSAGE_IGNORED_FIELDS, MESSAGE_NEUTRAL_VALUES)
+        return drop_inert(data, cls.model_fields, MESSAGE_NEUTRAL_VALUES, MESSAGE_IGNORED_FIELDS)
 
     def template_fields(self) -> dict[str, str]:
         """The message as the chat template takes it (a template that knows `name` shows it)."""
@@ -168,7 +169,7 @@ class CommonRequest(BaseModel):
     @classmethod
     def drop_inert_fields(cls, data: Any) -> Any:
         """Drop the OpenAI fields that ask nothing of this server (see NEUTRAL_VALUES)."""
-        return drop_inert(data, cls.model_fields, frozenset(), NEUTRAL_VALUES)
+        return drop_inert(data, cls.model_fields, NEUTRAL_VALUES)
 
     def guided_field(self) -> str | None:
         """The structured-output field this request used, for naming it in errors."""
