@@ -9,6 +9,7 @@ from fastdeploy.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from fastdeploy.common.ipc import make_ipc_dir
 from fastdeploy.common.request import EngineRequest
 from fastdeploy.common.sampling_params import SamplingParams
+from fastdeploy.common.speculative_config import SpeculativeConfig
 from fastdeploy.distributed.shard import shard_weight, vocab_shard
 from fastdeploy.engine.engine_core import EngineCore
 from fastdeploy.engine.executor import InProcessExecutor, WorkerProcessExecutor
@@ -33,9 +34,11 @@ def moe_dir(tmp_path_factory) -> str:
 
 
 def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool = False,
-              async_scheduling: str = "off") -> list:
+              async_scheduling: str = "off", speculative: SpeculativeConfig | None = None,
+              stats: list | None = None) -> list:
+    """Greedy tokens and logprobs of four requests; `stats` receives the engine's SpecDecodeStats."""
     config = EngineConfig(model=model_dir, device=device, dtype="float32", tensor_parallel_size=tp,
-                          async_scheduling=async_scheduling,
+                          async_scheduling=async_scheduling, speculative=speculative,
                           guided_decoding_backend="off", cache=CacheConfig(block_size=4, num_blocks=256),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64))
     if worker_process:  # the server's layout: rank 0 in a worker process that spawns the other ranks
@@ -57,6 +60,8 @@ def _generate(model_dir: str, tp: int, device: str = "cpu", worker_process: bool
                 tokens.extend(delta.token_ids)
                 logprobs.extend(delta.logprobs or [])
     finally:
+        if stats is not None:
+            stats.append(core.spec_stats)
         core.shutdown()
     return [results[f"r{i}"] for i in range(4)]
 
@@ -84,6 +89,22 @@ def test_two_ranks_with_steps_scheduled_ahead_give_the_tokens_of_one_in_turn(mod
     split = _generate(model_dir, 2, worker_process=worker_process, async_scheduling="on")
     if not worker_process:  # rank 0 in this process: the steps did read tokens in flight
         assert len(broadcasts) >= 20, broadcasts
+    for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
+def test_two_ranks_with_ngram_drafts_and_steps_ahead_give_the_tokens_of_one(model_dir, adaptive):
+    """n-gram speculation under tensor parallelism with asynchronous scheduling: steps with drafts
+    go in turn (rank 0's drafts are on the host), the others ahead; greedy tokens as one rank
+    without speculation."""
+    single = _generate(model_dir, 1)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                             adaptive=adaptive)
+    stats: list = []
+    split = _generate(model_dir, 2, async_scheduling="on", speculative=spec, stats=stats)
+    assert stats[0].num_verify_steps >= 3 and stats[0].num_draft_tokens >= 10, stats
     for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
