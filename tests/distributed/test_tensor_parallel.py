@@ -104,7 +104,9 @@ def test_two_ranks_with_ngram_drafts_and_steps_ahead_give_the_tokens_of_one(mode
                              adaptive=adaptive)
     stats: list = []
     split = _generate(model_dir, 2, async_scheduling="on", speculative=spec, stats=stats)
-    assert stats[0].num_verify_steps >= 3 and stats[0].num_draft_tokens >= 10, stats
+    if not adaptive:  # every decode step verified drafts where the lookup found some, in turn
+        assert stats[0].num_verify_steps >= 5 and stats[0].num_steps_ahead == 0, stats
+    # (The adaptive policy's caps follow measured step times, so what ran varies from run to run.)
     for (tokens_1, lp_1), (tokens_2, lp_2) in zip(single, split, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lp_2), torch.tensor(lp_1), atol=1e-4, rtol=1e-4)
