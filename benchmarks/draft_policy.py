@@ -2,19 +2,24 @@
 engine held without drafts (its floor) and the engine without speculation.
 
     python benchmarks/draft_policy.py [--device cuda] [--batches 16 64] [--methods ngram mtp]
+                                      [--variants untold held0 fixed fixed_in_turn] [--log-steps]
                                       [--max-tokens 256] [--rounds 5] [--name draft_policy]
                                       [--model PATH --load-format dummy --tokenizer DIR]
 
-Per batch and method, four engines on `speculative.py`'s copying prompts (greedy, 256 tokens,
-EOS ignored): `off` (no speculation), `{method}` (the draft policy as it is), `{method}_untold`
-(the policy not told which steps drafted for their successor, as before that accounting: the
-step holding a verify step's launch counted as cap 0's), and `{method}_held0` (the policy held
-at cap 0: what speculation costs a step that drafts nothing). Rounds alternate the engines'
-order; a figure is the median over rounds of tokens per second, and the table gives each
-engine's ratio to `off`. Beside them, the policy's own figures for the batch's class (cap 0's
-step, each cap's tokens per sequence per second), what it chose, and the timed rounds' steps
-(how many; of them sent ahead, with a prefill chunk, verifying drafts). The embedded model by
-default (`mtp` needs its shipped head); `--model` with `--load-format dummy` runs any config.
+Per batch and method, engines on `speculative.py`'s copying prompts (greedy, 256 tokens, EOS
+ignored): `off` (no speculation), `{method}` (the draft policy as it is), and per `--variants`
+(default: untold held0) `{method}_untold` (the policy not told which steps drafted for their
+successor, as before that accounting: the step holding a verify step's launch counted as cap
+0's), `{method}_held0` (the policy held at cap 0: what speculation costs a step that drafts
+nothing), `{method}_fixed` (`"adaptive": false`: every step takes all drafts, sent ahead where
+steps overlap) and `{method}_fixed_in_turn` (the same with `async_scheduling="off"`). Rounds
+alternate the engines' order; a figure is the median over rounds of tokens per second, and the
+table gives each engine's ratio to `off`. Beside them, the policy's own figures for the batch's
+class (cap 0's step, each cap's tokens per sequence per second), what it chose, and the timed
+rounds' steps (how many; of them sent ahead, with a prefill chunk, verifying drafts).
+`--log-steps` also keeps every step the policy observed in the timed rounds (rows, cap, tokens,
+ms, sent ahead, the next step takes drafts). The embedded model by default (`mtp` needs its
+shipped head); `--model` with `--load-format dummy` runs any config.
 """
 
 from __future__ import annotations
@@ -59,15 +64,32 @@ def engines(args: argparse.Namespace, batch: int) -> dict[str, LLM]:
                               "tokenizer": args.tokenizer}
     built = {"off": LLM(args.model, **common)}
     for method in args.methods:
-        for variant in ("", "_untold", "_held0"):
-            llm = built[method + variant] = LLM(args.model, speculative_config=SPECS[method], **common)
+        for variant in ["", *(f"_{v}" for v in args.variants)]:
+            spec = SPECS[method] if not variant.startswith("_fixed") else {**SPECS[method], "adaptive": False}
+            turn = {"async_scheduling": "off"} if variant == "_fixed_in_turn" else {}
+            llm = built[method + variant] = LLM(args.model, speculative_config=spec, **common, **turn)
             policy = llm.engine.draft_policy
-            assert policy is not None, "the adaptive policy is on by default"
             if variant == "_untold":
                 untold(policy)
             elif variant == "_held0":
                 held_at_zero(policy)
     return built
+
+
+def log_steps(llm: LLM) -> list[list[float]]:
+    """Every step the engine's policy observes from now on: [rows, cap, tokens, ms, sent ahead,
+    the next step takes drafts]."""
+    policy = llm.engine.draft_policy
+    observe = policy.observe
+    log: list[list[float]] = []
+
+    def logged(num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
+               drafted_next: bool = False) -> None:
+        log.append([num_rows, cap, num_tokens, round(seconds * 1e3, 3), int(sent_ahead), int(drafted_next)])
+        observe(num_rows, cap, num_tokens, seconds, sent_ahead, drafted_next=drafted_next)
+
+    policy.observe = logged  # type: ignore[method-assign]
+    return log
 
 
 def class_figures(llm: LLM, batch: int) -> dict[str, Any]:
@@ -97,6 +119,8 @@ def run_batch(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     tok_s: dict[str, list[float]] = {name: [] for name in llms}
     names = list(llms)
     steps_before = {name: step_counts(llm) for name, llm in llms.items()}
+    logs = {name: log_steps(llm) for name, llm in llms.items()
+            if args.log_steps and llm.engine.draft_policy is not None}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             wall, count, _ = timed(llms[name], conversations, params)
@@ -116,6 +140,8 @@ def run_batch(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
                      "zero_before_drafts_step_ms": figures.get("zero_before_drafts_step_ms"),
                      "steps": {k: v - steps_before[name][k] for k, v in step_counts(llm).items()},
                      "tok_s_rounds": [round(x, 1) for x in tok_s[name]]})
+        if name in logs:
+            rows[-1]["observed"] = logs[name]
     for llm in llms.values():
         llm.engine.shutdown()
     return rows
@@ -142,6 +168,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     p.add_argument("--methods", nargs="+", choices=sorted(SPECS), default=["ngram", "mtp"])
+    p.add_argument("--variants", nargs="*", choices=["untold", "held0", "fixed", "fixed_in_turn"],
+                   default=["untold", "held0"], help="engines beside off and the policy as it is (see above)")
+    p.add_argument("--log-steps", action="store_true", help="keep every step the policies observe in the rows")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default=None, help="default: the embedded model")
