@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fastdeploy.model_executor.layers.sample.metadata import SamplingMetadata
+from fastdeploy.model_executor.layers.sample.ops import pack_bits
 
 
 def make_meta(
@@ -62,3 +64,11 @@ def csr_row(out, r: int) -> list[int]:
     """Kept ids of row r from a SamplerOutput's CSR mask."""
     a, b = int(out.mask_offsets[r]), int(out.mask_offsets[r + 1])
     return out.mask_ids[a:b].tolist()
+
+
+def token_bitmask(allowed: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A grammar's int32 bitmask [B, ceil(V / 32)] (bit j of word w allows id 32 w + j, as
+    xgrammar fills it) from bool [B, V] allowed ids."""
+    flags = torch.as_tensor(np.asarray(allowed, dtype=np.bool_))
+    flags = torch.nn.functional.pad(flags, (0, -flags.shape[1] % 32))
+    return pack_bits(flags).view(torch.int32)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from kept_set_csr import kept_set_csr
 from kept_set_reference import reference_kept_set
-from sampler_test_utils import csr_row, make_meta
+from sampler_test_utils import csr_row, make_meta, token_bitmask
 from triton_interpreter import InterpreterProcess
 
 from fastdeploy.common.sampling_masks import logz_values
@@ -354,9 +354,7 @@ def interpreted_mask_rows_match_cpu_path(v: int, prefilter: bool, starve: bool, 
         k[11], p[11], mp[11] = 0, 1.0, 0.0  # plain, the grammar allows everything: null
         allowed = torch.ones(b, -(-v // 32) * 32, dtype=torch.bool)
         allowed[4] = torch.arange(allowed.shape[1]) % 3 == 0
-        words = (allowed.view(b, -1, 32).long() << torch.arange(32)).sum(-1)
-        bitmask = words.to(torch.int64).numpy().astype(np.uint32).view(np.int32)
-        bitmask = torch.from_numpy(bitmask)
+        bitmask = token_bitmask(allowed)
     asked = [True] * b
     asked[3] = asked[9] = False  # opt out: a truncating and a greedy row
 
@@ -584,8 +582,7 @@ def _random_bitmask(rng: np.random.Generator, b: int, v: int) -> torch.Tensor:
     words = -(-v // 32)
     bits = rng.random((b, words * 32)) < 0.7
     bits[0] = True
-    packed = (bits.reshape(b, words, 32).astype(np.int64) << np.arange(32)).sum(-1)
-    return torch.from_numpy(packed.astype(np.uint32).view(np.int32))
+    return token_bitmask(bits)
 
 
 def _sampler_check(device: str, b: int, v: int, seed: int, guided: bool = False) -> float:

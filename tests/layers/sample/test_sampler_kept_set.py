@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from kept_set_reference import reference_kept_set
-from sampler_test_utils import csr_row, make_meta
+from sampler_test_utils import csr_row, make_meta, token_bitmask
 
 from fastdeploy.model_executor.layers.sample.kept_set_torch import TorchKeptSetBackend
 from fastdeploy.model_executor.layers.sample.sampler import Sampler, kept_set_backend, process_logits
@@ -36,9 +36,7 @@ def _random_batch(rng: np.random.Generator, b: int, v: int, with_bitmask: bool):
     bitmask = None
     if with_bitmask:
         words = (v + 31) // 32
-        bits = rng.random((b, words * 32)) < 0.7
-        packed = (bits.reshape(b, words, 32).astype(np.int64) << np.arange(32)).sum(-1)
-        bitmask = torch.from_numpy(packed.astype(np.uint32).view(np.int32))
+        bitmask = token_bitmask(rng.random((b, words * 32)) < 0.7)
     meta = make_meta(
         b,
         temperature=pick(TEMPS),
