@@ -198,6 +198,10 @@ class Scheduler:
         room = seq.tokens_left(self.config.max_model_len) - 1
         lookahead = max(0, min(self.num_lookahead_slots, room, budget))
         extra = max(0, min(self.num_draft_model_slots, self.config.max_model_len - target - lookahead))
+        if len(seq.block_ids) * self.block_manager.block_size >= target + lookahead + extra:
+            # The blocks already hold every slot (a verify step's usual case, once per sequence
+            # per step): no pool query, no growth.
+            return lookahead
         while lookahead + extra and not self.block_manager.can_grow(seq.block_ids, target + lookahead + extra):
             if extra:
                 extra -= 1
