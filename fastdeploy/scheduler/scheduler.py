@@ -108,18 +108,12 @@ class Scheduler:
             target = seq.num_computed_tokens + num
             # Drafts of the step in flight that may be accepted move this chunk on by as much.
             reach = target + seq.num_in_flight_drafts
-            while may_preempt and not self.block_manager.can_grow(seq.block_ids, reach):
-                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, reach):
+            # A decoding sequence needs a new block once every block_size steps: until then its
+            # blocks hold `reach` already and the pool is not asked (a busy batch's usual step).
+            if len(seq.block_ids) * block_size < reach and not self._grow_or_preempt(seq, reach, may_preempt,
+                                                                                    scheduled_ids, preempted):
                 num_blocked += seq.status == SeqStatus.RUNNING
                 continue
-            self.block_manager.grow(seq.block_ids, reach)
             chunk = _chunk(seq, num)
             if num == 1 and chunk.samples:
                 # Without drafts, a chunk whose blocks already hold the draft model's slots past
@@ -179,6 +173,24 @@ class Scheduler:
             budget -= num
 
         return SchedulerStep(chunks=decodes + prefills, preempted=preempted, num_blocked=num_blocked)
+
+    def _grow_or_preempt(self, seq: Sequence, reach: int, may_preempt: bool, scheduled_ids: set[int],
+                         preempted: list[Sequence]) -> bool:
+        """Grow `seq`'s blocks to hold `reach` tokens, preempting the latest-admitted sequences not
+        scheduled in this step (`seq` itself last) where `may_preempt`; whether `seq` still runs
+        with its blocks grown."""
+        while may_preempt and not self.block_manager.can_grow(seq.block_ids, reach):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                break
+        if seq.status != SeqStatus.RUNNING or not self.block_manager.can_grow(seq.block_ids, reach):
+            return False
+        self.block_manager.grow(seq.block_ids, reach)
+        return True
 
     def _reserve_lookahead(self, seq: Sequence, target: int, budget: int) -> int:
         """Reserve slots after a sampling chunk that holds `target` tokens; return the drafts allowed.
