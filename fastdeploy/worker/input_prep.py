@@ -34,6 +34,17 @@ def prepare_inputs(
     for chunk in chunks:
         start = len(token_ids)
         n = len(chunk.token_ids)
+        if n == 1 and chunk.sample and not prefills:
+            # One decode row without drafts, a busy batch's every row: the general case's
+            # ranges and generators cost more than the row's own work.
+            p = chunk.start
+            token_ids.append(chunk.token_ids[0])
+            positions.append(p)
+            slots.append(chunk.block_ids[p // bs] * bs + p % bs)
+            decode_tables.append(chunk.block_ids)
+            decode_lens.append(p + 1)
+            sample_rows.append(start)
+            continue
         token_ids.extend(chunk.token_ids)
         pos = range(chunk.start, chunk.start + n)
         positions.extend(pos)
