@@ -71,5 +71,7 @@ class Sequence:
             return self.prompt_token_ids[start:end]
         if start >= prompt_len and end <= self.num_tokens:
             return self.output_token_ids[start - prompt_len:end - prompt_len]
-        known = (self.prompt_token_ids + self.output_token_ids)[start:end]
+        # Slices of each list, not of their concatenation: a decode chunk whose token is in flight
+        # (every step under asynchronous scheduling) would copy the whole context per step.
+        known = self.prompt_token_ids[start:end] + self.output_token_ids[max(0, start - prompt_len):end - prompt_len]
         return known + [IN_FLIGHT_TOKEN] * (end - start - len(known))

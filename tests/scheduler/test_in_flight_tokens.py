@@ -82,3 +82,14 @@ def test_a_step_done_leaves_a_finished_sequence_alone() -> None:
     sched.finish(a)  # aborted while its step ran
     sched.on_step_done(step)
     assert a.num_computed_tokens == 0 and a.status == SeqStatus.FINISHED
+
+
+def test_token_slice_is_the_context_slice_with_in_flight_positions_marked():
+    """Every (start, end) up to two positions past the known tokens, across the prompt/output seam."""
+    seq = Sequence(0, "r0", [11, 12, 13, 14], SamplingParams())
+    seq.output_token_ids = [21, 22, 23]
+    context = seq.prompt_token_ids + seq.output_token_ids
+    for start in range(len(context) + 3):
+        for end in range(start, len(context) + 3):
+            known = context[start:end]
+            assert seq.token_slice(start, end) == known + [IN_FLIGHT_TOKEN] * (end - start - len(known))
