@@ -19,9 +19,11 @@ and the `--top` functions by own time, µs per step) and a PNG of the largest di
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import threading
@@ -74,6 +76,22 @@ def profile_run(llm: LLM, batch: int, tokens: int, callees_of: list[str]
     return best, own, cumulative, callees, steps[0]
 
 
+def count_syncs(llm: LLM, batch: int, tokens: int) -> dict:
+    """CUDA: synchronisations per decode step of one more `generate` (PyTorch's sync debug mode,
+    `tests/gpu/sync_count.py`; the packed frame's copy counts one): median, max, and the source
+    lines PyTorch saw with how often."""
+    from tests.gpu.sync_count import count_step_syncs, steady_decode
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    with count_step_syncs(llm.engine.executor.runner) as steps:
+        llm.generate(prompts(batch), params)
+    decode = steady_decode(steps)
+    totals = [s.total for s in decode] or [0]
+    sources = collections.Counter(src.split("fastdeploy/", 1)[-1] for s in decode for src in s.sources)
+    return {"decode_steps": len(decode), "median": statistics.median(totals), "max": max(totals),
+            "sources": dict(sources)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", choices=["mtp", "ngram"], default="mtp")
@@ -88,6 +106,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="functions kept per configuration, by own time")
     ap.add_argument("--callees", nargs="*", default=["feed_in_flight", "draft_in_flight", "launch", "_submit"],
                     help="functions (by name) whose callees' cumulative times are recorded")
+    ap.add_argument("--count-syncs", action="store_true",
+                    help="CUDA: also count the host-device synchronisations of each steady decode step")
     ap.add_argument("--name", default="spec_host_profile")
     args = ap.parse_args()
     info = machine_info()
@@ -105,11 +125,15 @@ def main() -> None:
             base_ms, base, cumulative, callees, steps = profile_run(off, batch, args.tokens, args.callees)
             runs.append({"batch": batch, "config": "off", "ms_per_step": base_ms, "steps": steps, "own_us": base,
                          "cum_us": cumulative, "callees": callees})
+            if args.count_syncs:
+                runs[-1]["syncs"] = count_syncs(off, batch, args.tokens)
             for cap in args.caps:
                 speculating.engine.draft_policy = FixedCap(cap)  # type: ignore[assignment]
                 ms, own, cumulative, callees, steps = profile_run(speculating, batch, args.tokens, args.callees)
                 runs.append({"batch": batch, "config": f"cap{cap}", "ms_per_step": ms, "steps": steps, "own_us": own,
                              "cum_us": cumulative, "callees": callees})
+                if args.count_syncs:
+                    runs[-1]["syncs"] = count_syncs(speculating, batch, args.tokens)
         for llm in (off, speculating):
             llm.engine.shutdown()
     table = []
@@ -141,6 +165,9 @@ def main() -> None:
         for caller, calls in run["callees"].items():
             print(f"batch {run['batch']} {run['config']}, callees of {caller} (µs per step): " + "; ".join(
                 f"{f} {us:.0f}" for f, us in sorted(calls.items(), key=lambda kv: -kv[1])[:8]))
+    for run in runs:
+        if "syncs" in run:
+            print(f"batch {run['batch']} {run['config']}: synchronisations per decode step {run['syncs']}")
     for run in runs:
         print(f"batch {run['batch']} {run['config']}: {run['ms_per_step']:.3f} ms/step unprofiled, "
               f"{run['total_us'] / 1e3:.3f} ms/step profiled (own time of every function)")
