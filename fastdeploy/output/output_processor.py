@@ -53,7 +53,6 @@ class CompletionOutput:
     """
 
     index: int = 0
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     sampling_logz: list[float] | None = None
@@ -65,15 +64,30 @@ class CompletionOutput:
     # long generation's ids over and over.
     _mask_runs: list[SampledMasks] | None = field(default=None, init=False, repr=False)
     _mask_lists: list[list[int] | None] | list[bytes | None] | None = field(default=None, init=False, repr=False)
+    # The text's pieces, joined when read: `text += piece` copies the whole text per step, which
+    # at tens of thousands of tokens costs more host time per token than the rest of the chunk.
+    _text_parts: list[str] = field(default_factory=list, init=False, repr=False)
+
+    @property
+    def text(self) -> str:
+        if len(self._text_parts) > 1:
+            self._text_parts = ["".join(self._text_parts)]
+        return self._text_parts[0] if self._text_parts else ""
 
     def add(self, chunk: OutputChunk) -> None:
-        self.text += chunk.text
+        if chunk.text:
+            self._text_parts.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
+        # Lists grown in place: rebuilding one per chunk copies everything gathered before.
         if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(chunk.logprobs)
         if chunk.sampling_masks is not None:
             self._keep_masks(chunk.sampling_masks)
-            self.sampling_logz = (self.sampling_logz or []) + (chunk.sampling_logz or [])
+            if self.sampling_logz is None:
+                self.sampling_logz = []
+            self.sampling_logz.extend(chunk.sampling_logz or [])
         if chunk.finish_reason is not None:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
             self.error, self.error_status = chunk.error, chunk.error_status
@@ -114,10 +128,15 @@ class RequestOutputState:
         self.params = params
         self.token_texts = token_texts
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.decoded = ""  # everything decoded so far
-        self.emitted = 0  # characters of `decoded` already handed out
+        # The decoded text from character `_base` on: what is not handed out yet and the last
+        # characters a stop string that ends in the next delta may start in. The whole text,
+        # grown per delta, would be copied at every step (quadratic in a long generation's length).
+        self._tail = ""
+        self._base = 0
+        self.emitted = 0  # characters of the decoded text already handed out
         self.finished = False
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._longest_stop = max((len(s) for s in params.stop), default=1)
+        self._holdback = self._longest_stop - 1
 
     def _logprob_entries(self, delta: RequestDelta) -> list[TokenLogprob] | None:
         if self.params.logprobs is None or delta.logprobs is None or delta.logprob_token_ids is None:
@@ -132,39 +151,46 @@ class RequestOutputState:
         return entries
 
     def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        """The first stop string that ends after `search_from` (an index into the decoded text)."""
         best = None
         for stop in self.params.stop:
-            index = self.decoded.find(stop, max(0, search_from - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
+            index = self._tail.find(stop, max(0, search_from - len(stop) + 1 - self._base))
+            if index != -1 and (best is None or index + self._base < best[0]):
+                best = (index + self._base, stop)
         return best
 
     def update(self, delta: RequestDelta) -> OutputChunk:
         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
-        search_from = len(self.decoded)
+        search_from = self._base + len(self._tail)
         hit = None
         if self.params.stop:
             # Token by token: a stop string inside a multi-token (speculative) delta also
             # drops the tokens after the one that completed it.
             for n, token in enumerate(delta.token_ids, start=1):
-                self.decoded += self.detokenizer.add([token])
+                self._tail += self.detokenizer.add([token])
                 hit = self._find_stop(search_from)
                 if hit is not None:
                     if n < len(delta.token_ids):
                         delta = _first_tokens(delta, n)
                     break
         else:
-            self.decoded += self.detokenizer.add(delta.token_ids)
-        end = len(self.decoded)
+            self._tail += self.detokenizer.add(delta.token_ids)
+        end = self._base + len(self._tail)
         if hit is not None:
             index, stop = hit
             end = index + len(stop) if self.params.include_stop_str_in_output else index
-            self.decoded = self.decoded[:end]
+            self._tail = self._tail[:end - self._base]
             finish_reason, stop_reason = "stop", stop
         elif finish_reason is None:
             end = max(self.emitted, end - self._holdback)
-        text = self.decoded[self.emitted:end]
+        text = self._tail[self.emitted - self._base:end - self._base]
         self.emitted = end
+        # Keep what the next delta may still need: the text not handed out, and the last
+        # characters a stop string completed by the next delta may begin in.
+        keep_from = min(self.emitted, self._base + len(self._tail) - self._longest_stop + 1)
+        if keep_from > self._base:
+            self._tail = self._tail[keep_from - self._base:]
+            self._base = keep_from
         self.finished = finish_reason is not None
         return OutputChunk(
             text=text,
