@@ -136,17 +136,32 @@ def measure(llm: LLM, batch: int, tokens: int, reps: int) -> tuple[dict, list]:
     return best, texts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_args(ap: argparse.ArgumentParser, batches: list[int], tokens: int) -> None:
+    """The options that pick the engines' models, device and load (shared with spec_host_profile.py)."""
     ap.add_argument("--method", choices=["mtp", "ngram"], default="mtp")
     ap.add_argument("--shape", choices=["smollm2-135m", "llama-1b", "llama3-8b-dummy"], default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="+", default=batches)
+    ap.add_argument("--tokens", type=int, default=tokens)
     ap.add_argument("--write-scale", type=float, default=5e-5)
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--tokenizer", default=None, help="default: the embedded GGUF's")
+
+
+def build_engines(args: argparse.Namespace, out: str) -> tuple[LLM, LLM]:
+    """(the engine without speculation, the one with `args.method`), models written under `out`."""
+    target, head_dir = build_models(args.shape, out, args.write_scale)
+    common = dict(device=args.device, max_num_seqs=max(args.batches), guided_decoding_backend="off",
+                  num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer or embedded_model_path(), **target)
+    spec = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "model": head_dir} if args.method == "mtp" \
+        else {"method": "ngram", "num_speculative_tokens": NUM_DRAFTS, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return LLM(**common), LLM(**common, speculative_config=spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap, batches=[1, 16], tokens=256)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device-timeline", action="store_true",
                     help="CUDA: the device's busy time per step (a step well above it is the host's)")
     ap.add_argument("--name", default="mtp_step_cost")
@@ -155,14 +170,7 @@ def main() -> None:
     print_machine(info)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        target, head_dir = build_models(args.shape, tmp, args.write_scale)
-        common = dict(device=args.device, max_num_seqs=max(args.batches), guided_decoding_backend="off",
-                      num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer or embedded_model_path(), **target)
-        off = LLM(**common)
-        spec = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "model": head_dir} if args.method == "mtp" \
-            else {"method": "ngram", "num_speculative_tokens": NUM_DRAFTS, "prompt_lookup_min": 1,
-                  "prompt_lookup_max": 3}
-        mtp = LLM(**common, speculative_config=spec)
+        off, mtp = build_engines(args, tmp)
         for batch in args.batches:
             row, plain = measure(off, batch, args.tokens, args.reps)
             rows.append({"config": "off", **row, "same_as_off": True})

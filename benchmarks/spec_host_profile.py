@@ -29,15 +29,12 @@ import tempfile
 import threading
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import finish_bar_axis, machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402,I001
-from benchmarks.mtp_step_cost import NUM_DRAFTS, FixedCap, build_models, prompts  # noqa: E402
+from benchmarks.mtp_step_cost import NUM_DRAFTS, FixedCap, add_engine_args, build_engines, prompts  # noqa: E402
 from benchmarks.verify_step import counted_steps  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.model_executor.model_loader.embedded import embedded_model_path  # noqa: E402
 
 
 def _label(key: tuple[str, int, str]) -> str:
@@ -94,15 +91,8 @@ def count_syncs(llm: LLM, batch: int, tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=["mtp", "ngram"], default="mtp")
-    ap.add_argument("--shape", choices=["smollm2-135m", "llama-1b", "llama3-8b-dummy"], default="smollm2-135m")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    add_engine_args(ap, batches=[16, 64], tokens=192)
     ap.add_argument("--caps", type=int, nargs="+", default=[0, NUM_DRAFTS])
-    ap.add_argument("--tokens", type=int, default=192)
-    ap.add_argument("--write-scale", type=float, default=5e-5)
-    ap.add_argument("--num-kv-blocks", type=int, default=8192)
-    ap.add_argument("--tokenizer", default=None, help="default: the embedded GGUF's")
     ap.add_argument("--top", type=int, default=25, help="functions kept per configuration, by own time")
     ap.add_argument("--callees", nargs="*", default=["feed_in_flight", "draft_in_flight", "launch", "_submit"],
                     help="functions (by name) whose callees' cumulative times are recorded")
@@ -114,13 +104,7 @@ def main() -> None:
     print_machine(info)
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        target, head_dir = build_models(args.shape, tmp, args.write_scale)
-        common = dict(device=args.device, max_num_seqs=max(args.batches), guided_decoding_backend="off",
-                      num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer or embedded_model_path(), **target)
-        spec = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "model": head_dir} if args.method == "mtp" \
-            else {"method": "ngram", "num_speculative_tokens": NUM_DRAFTS, "prompt_lookup_min": 1,
-                  "prompt_lookup_max": 3}
-        off, speculating = LLM(**common), LLM(**common, speculative_config=spec)
+        off, speculating = build_engines(args, tmp)
         for batch in args.batches:
             base_ms, base, cumulative, callees, steps = profile_run(off, batch, args.tokens, args.callees)
             runs.append({"batch": batch, "config": "off", "ms_per_step": base_ms, "steps": steps, "own_us": base,
