@@ -13,17 +13,18 @@ from fastdeploy.common.sampling_params import SamplingParams
 from fastdeploy.output.detokenizer import IncrementalDetokenizer, TokenTexts
 
 
-@dataclass
-class TopLogprob:
+# Structs the cyclic collector does not track (`gc=False`; they hold no cycles): a long
+# generation with logprobs keeps k + 1 of them per token, and as tracked objects they made the
+# collector run more often and walk them all in every full pass.
+class TopLogprob(msgspec.Struct, gc=False):
     token_id: int
     token: str
     logprob: float
     bytes: list[int]
 
 
-@dataclass
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
+class TokenLogprob(TopLogprob, gc=False):
+    top_logprobs: list[TopLogprob] = []
 
 
 @dataclass
