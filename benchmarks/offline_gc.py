@@ -3,7 +3,7 @@
     python benchmarks/offline_gc.py [--batch 16] [--max-tokens 4096] [--logprobs 5] [--device cpu]
 
 `LLM.generate` on a small random Llama (the embedded tokenizer; greedy, EOS ignored), timed
-with a `gc.callbacks` hook: how many collections of each generation ran and how long they took.
+with `benchmarks.common.CollectorWatch`: how many collections of each generation ran and how long they took.
 A long generation with logprobs keeps many objects alive (an entry per token and per top-k
 alternative); those the collector tracks make it run more often, and its full passes walk all
 of them and every other tracked object in the process (the engine's modules, the tokenizer,
@@ -15,7 +15,6 @@ Writes benchmarks/results/<name>.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import tempfile
@@ -25,27 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_info, print_machine, print_table, write_json  # noqa: E402
+from benchmarks.common import CollectorWatch, machine_info, print_machine, print_table, write_json  # noqa: E402
 from benchmarks.mtp_step_cost import _fill  # noqa: E402
 from benchmarks.verify_step import SMOLLM2_135M  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.model_executor.model_loader.embedded import embedded_model_path  # noqa: E402
 
-
-class CollectorClock:
-    """Collections per generation and the seconds they took, while installed."""
-
-    def __init__(self) -> None:
-        self.counts = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.counts[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self._start
+WATCH = CollectorWatch()
 
 
 def tiny_model(out: str) -> str:
@@ -63,17 +48,15 @@ def tiny_model(out: str) -> str:
 
 def timed(llm: LLM, batch: int, params: SamplingParams) -> dict:
     prompts = [{"prompt_token_ids": list(range(100 + 7 * b, 140 + 7 * b))} for b in range(batch)]
-    clock = CollectorClock()
-    gc.callbacks.append(clock)
-    try:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-    finally:
-        gc.callbacks.remove(clock)
+    counts, seconds = WATCH.snapshot()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    counts_after, seconds_after = WATCH.snapshot()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"wall_s": round(wall, 3), "tokens": tokens, "collections": clock.counts,
-            "collector_ms": [round(1e3 * s, 1) for s in clock.seconds]}
+    return {"wall_s": round(wall, 3), "tokens": tokens,
+            "collections": [b - a for a, b in zip(counts, counts_after, strict=True)],
+            "collector_ms": [round(1e3 * (b - a), 1) for a, b in zip(seconds, seconds_after, strict=True)]}
 
 
 def main() -> None:
