@@ -26,7 +26,6 @@ import pstats
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -68,8 +67,6 @@ def profile_run(llm: LLM, batch: int, tokens: int, callees_of: list[str]
         for caller, timing in value[4].items():
             if caller[2] in callees_of:
                 callees.setdefault(_label(caller), {})[_label(key)] = round(1e6 * timing[3] / steps[0], 1)
-    threads = sorted(t.name for t in threading.enumerate())
-    print(f"threads during the profiled run's end: {threads}", flush=True)
     return best, own, cumulative, callees, steps[0]
 
 

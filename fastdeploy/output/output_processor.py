@@ -136,8 +136,8 @@ class RequestOutputState:
         self._base = 0
         self.emitted = 0  # characters of the decoded text already handed out
         self.finished = False
+        # Up to (longest stop - 1) characters are held back from what is handed out.
         self._longest_stop = max((len(s) for s in params.stop), default=1)
-        self._holdback = self._longest_stop - 1
 
     def _logprob_entries(self, delta: RequestDelta) -> list[TokenLogprob] | None:
         if self.params.logprobs is None or delta.logprobs is None or delta.logprob_token_ids is None:
@@ -183,7 +183,7 @@ class RequestOutputState:
             self._tail = self._tail[:end - self._base]
             finish_reason, stop_reason = "stop", stop
         elif finish_reason is None:
-            end = max(self.emitted, end - self._holdback)
+            end = max(self.emitted, end - self._longest_stop + 1)
         text = self._tail[self.emitted - self._base:end - self._base]
         self.emitted = end
         # Keep what the next delta may still need: the text not handed out, and the last

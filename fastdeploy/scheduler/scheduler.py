@@ -200,19 +200,13 @@ class Scheduler:
         """
         if not (self.num_lookahead_slots or self.num_draft_model_slots):
             return 0
-        if budget <= 0:
-            # No drafts this step (a busy batch's usual case): only the draft model's slots, at
-            # most one new block every block_size steps, so first the check that needs none.
-            extra = max(0, min(self.num_draft_model_slots, self.config.max_model_len - target))
-            if len(seq.block_ids) * self.block_manager.block_size >= target + extra:
-                return 0
         # m accepted tokens (drafts + 1) must fit: num_tokens + m <= limit.
         room = seq.tokens_left(self.config.max_model_len) - 1
         lookahead = max(0, min(self.num_lookahead_slots, room, budget))
         extra = max(0, min(self.num_draft_model_slots, self.config.max_model_len - target - lookahead))
         if len(seq.block_ids) * self.block_manager.block_size >= target + lookahead + extra:
-            # The blocks already hold every slot (a verify step's usual case, once per sequence
-            # per step): no pool query, no growth.
+            # The blocks already hold every slot (a verify step's usual case, and a step without
+            # drafts on all but one in block_size steps): no pool query, no growth.
             return lookahead
         while lookahead + extra and not self.block_manager.can_grow(seq.block_ids, target + lookahead + extra):
             if extra:
