@@ -59,26 +59,53 @@ _VERBS = ["counts", "filters", "merges", "sorts", "groups", "checks", "loads", "
 
 
 def _record_text(rng: random.Random) -> str:
+    """One JSON object: flat fields, sometimes a nested object and a list (the shapes of API payloads)."""
     item = rng.choice(_ITEMS)
     fields = [f'"sku": "{item[:3].upper()}-{rng.randint(100, 999)}"', f'"product": "{rng.choice(_COLOURS)} {item}"',
               f'"price": {rng.randint(5, 400)}.{rng.randint(0, 99):02d}', f'"stock": {rng.randint(0, 90)}',
               f'"warehouse": "W{rng.randint(1, 9)}"', f'"on_sale": {rng.choice(["true", "false"])}']
+    if rng.random() < 0.5:
+        fields.append(f'"colours": [{", ".join(chr(34) + c + chr(34) for c in rng.sample(_COLOURS, rng.randint(1, 3)))}]')
+    if rng.random() < 0.5:
+        fields.append(f'"size": {{"width": {rng.randint(5, 90)}, "height": {rng.randint(5, 90)}, '
+                      f'"unit": "{rng.choice(["cm", "mm", "in"])}"}}')
     return "{" + ", ".join(rng.sample(fields, rng.randint(3, len(fields)))) + "}"
 
 
-def _code_text(rng: random.Random) -> str:
+def _records_text(rng: random.Random) -> str:
+    """A JSON array of a few records: a long answer whose records repeat each other's keys."""
+    return "[" + ", ".join(_record_text(rng) for _ in range(rng.randint(2, 4))) + "]"
+
+
+def _function_text(rng: random.Random) -> str:
     verb, noun = rng.choice(_VERBS), rng.choice(_ITEMS)
-    return (f"def {verb}_{noun}s(rows, limit={rng.randint(2, 50)}):\n    kept = []\n    for row in rows:\n"
-            f"        if row.get(\"{noun}\") and len(kept) < limit:\n            kept.append(row)\n    return kept\n")
+    limit = rng.randint(2, 50)
+    bodies = [
+        f"    kept = []\n    for row in rows:\n        if row.get(\"{noun}\") and len(kept) < limit:\n"
+        f"            kept.append(row)\n    return kept\n",
+        f"    total = 0\n    for row in rows[:limit]:\n        total += row[\"{noun}\"]\n    return total\n",
+        f"    seen = {{}}\n    for row in rows:\n        key = row.get(\"{noun}\", None)\n"
+        f"        seen[key] = seen.get(key, 0) + 1\n    return sorted(seen.items())[:limit]\n",
+    ]
+    return f"def {verb}_{noun}s(rows, limit={limit}):\n" + rng.choice(bodies)
+
+
+def _code_text(rng: random.Random) -> str:
+    """One to three functions."""
+    return "\n\n".join(_function_text(rng) for _ in range(rng.randint(1, 3)))
 
 
 def _passage_text(rng: random.Random) -> str:
-    topics = rng.sample(TRAIN_TOPICS, 3)
-    return (f"Notes on {topics[0]}: it connects to {topics[1]} in more ways than one might expect, "
-            f"and both say something about {topics[2]}.")
+    sentences = []
+    for _ in range(rng.randint(1, 3)):
+        topics = rng.sample(TRAIN_TOPICS, 3)
+        sentences.append(f"Notes on {topics[0]}: it connects to {topics[1]} in more ways than one might expect, "
+                         f"and both say something about {topics[2]}.")
+    return " ".join(sentences)
 
 
-_COPY_SOURCES = [("JSON record", _record_text), ("Python function", _code_text), ("passage", _passage_text)]
+_COPY_SOURCES = [("JSON record", _record_text), ("JSON array", _records_text), ("Python code", _code_text),
+                 ("passage", _passage_text)]
 
 
 def copy_prompts(count: int, seed: int) -> list[str]:
@@ -109,6 +136,11 @@ def training_prompts(count: int, seed: int = 0, copy_share: float = 0.25) -> lis
 def held_out_prompts(count: int, seed: int = 1) -> list[str]:
     """User messages on topics that no training prompt mentions."""
     return _prompts(HELD_OUT_TOPICS, count, seed)
+
+
+def held_out_copy_prompts(count: int, seed: int = 1) -> list[str]:
+    """Copy requests from a seed no training run uses by default (texts drawn apart from training's)."""
+    return copy_prompts(count, seed + 10_000)
 
 
 def as_chat(prompts: list[str]) -> list[list[dict[str, str]]]:
