@@ -829,8 +829,10 @@ def print_figures(payload: dict[str, Any]) -> None:
             rows.append({"figure": figure, "key": key, "value": value, "measured_at": (commit or "-")[:10]})
     if rows:
         print_table(rows, ["figure", "key", "value", "measured_at"])
-    for part, record in payload.get("runs", {}).items():
-        if record.get("status") != "ok":
+    runs = payload.get("runs", {})
+    for part in PARTS:  # runs also keeps earlier runs under other names, as they were recorded
+        record = runs.get(part)
+        if isinstance(record, dict) and record.get("status") != "ok":
             print(f"{part}: {record.get('status')}: {record.get('error') or record.get('reason')}")
 
 

@@ -3,8 +3,9 @@
     python benchmarks/speculative_mtp.py --device cpu  --batches 1 16 --repeats 3
     python benchmarks/speculative_mtp.py --device cuda --batches 1 16 --repeats 3
 
-The embedded SmolLM2-135M-Instruct answers held-out chat prompts (`tools/mtp_prompts.py`)
-greedily, `--max-tokens` tokens at most; every configuration produces the same tokens
+The embedded SmolLM2-135M-Instruct answers held-out chat prompts (`tools/mtp_prompts.py`;
+`--prompts copy`: its held-out requests to repeat a record, code or passage, whose answers copy
+their context) greedily, `--max-tokens` tokens at most; every configuration produces the same tokens
 (greedy speculation is exact), so time per generated token compares like with like. A run
 is one `LLM.chat` over `batch` prompts, prefill of the short prompts included. All engines
 are built first; the runs are interleaved (round-robin over configurations, `--repeats`
@@ -31,7 +32,7 @@ import torch
 
 from benchmarks.common import machine_info, png_path, print_table, pyplot, write_json
 from fastdeploy import LLM, SamplingParams
-from tools.mtp_prompts import as_chat, held_out_prompts
+from tools.mtp_prompts import as_chat, held_out_copy_prompts, held_out_prompts
 
 NAME = "speculative_mtp"
 
@@ -66,7 +67,8 @@ def timed_run(llm: LLM, prompts: list[str], max_tokens: int, device: str) -> tup
 
 
 def run(args: argparse.Namespace) -> dict:
-    prompts_all = held_out_prompts(max(args.batches) + 8)
+    source = held_out_copy_prompts if args.prompts == "copy" else held_out_prompts
+    prompts_all = source(max(args.batches) + 8)
     blocks = args.num_kv_blocks or (2048 if args.device.startswith("cuda") else None)
     built = engines(args.device, max(args.batches), args.draft_tokens, args.eager, args.mtp_eager, args.head,
                     blocks)
@@ -124,6 +126,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", choices=["chat", "copy"], default="chat", help="held-out chat or copy requests")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -143,7 +146,7 @@ def main() -> None:
           f"{result['greedy_outputs_identical']}")
     print_table(result["rows"], ["config", "batch", "median_s", "tokens", "tokens_per_s", "speedup",
                                  "mean_accepted_length"])
-    name = f"{NAME}_{args.device.split(':')[0]}"
+    name = f"{NAME}_{args.device.split(':')[0]}" + ("_copy" if args.prompts == "copy" else "")
     print(write_json(name, result))
     plot(result, png_path(name))
 
