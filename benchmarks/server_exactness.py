@@ -48,7 +48,8 @@ def partings(reference: list[list[dict]], other: list[list[dict]]) -> list[dict[
     """For each request whose tokens differ: the first differing position and what each side saw."""
     out = []
     for i, (a, b) in enumerate(zip(reference, other, strict=True)):
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x["token"] != y["token"]), None)
+        # zip stops at the shorter answer: a length difference alone parts them at its end
+        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x["token"] != y["token"]), None)
         if pos is None and len(a) == len(b):
             continue
         pos = pos if pos is not None else min(len(a), len(b))

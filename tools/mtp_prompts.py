@@ -65,7 +65,8 @@ def _record_text(rng: random.Random) -> str:
               f'"price": {rng.randint(5, 400)}.{rng.randint(0, 99):02d}', f'"stock": {rng.randint(0, 90)}',
               f'"warehouse": "W{rng.randint(1, 9)}"', f'"on_sale": {rng.choice(["true", "false"])}']
     if rng.random() < 0.5:
-        fields.append(f'"colours": [{", ".join(chr(34) + c + chr(34) for c in rng.sample(_COLOURS, rng.randint(1, 3)))}]')
+        colours = ", ".join(f'"{c}"' for c in rng.sample(_COLOURS, rng.randint(1, 3)))
+        fields.append(f'"colours": [{colours}]')
     if rng.random() < 0.5:
         fields.append(f'"size": {{"width": {rng.randint(5, 90)}, "height": {rng.randint(5, 90)}, '
                       f'"unit": "{rng.choice(["cm", "mm", "in"])}"}}')
@@ -124,7 +125,7 @@ def _prompts(topics: list[str], count: int, seed: int) -> list[str]:
     return [instruction.format(topic=topic) + fmt for topic, instruction, fmt in combos[:count]]
 
 
-def training_prompts(count: int, seed: int = 0, copy_share: float = 0.25) -> list[str]:
+def training_prompts(count: int, seed: int = 0, copy_share: float = 0.35) -> list[str]:
     """`count` user messages: `copy_share` of them copy requests (`copy_prompts`), the rest distinct
     questions (at most topics x instructions x formats) on training topics, shuffled together."""
     copies = round(count * copy_share)

@@ -266,7 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--num-prompts", type=int, default=3072, help="templated prompts, each answered twice")
-    p.add_argument("--copy-share", type=float, default=0.25,
+    p.add_argument("--copy-share", type=float, default=0.35,
                    help="share of the prompts that ask to repeat a record, code snippet or passage given in them")
     p.add_argument("--max-tokens", type=int, default=256, help="longest continuation generated per prompt")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])

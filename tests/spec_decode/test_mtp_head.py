@@ -12,8 +12,15 @@ from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.models.mtp import CONFIG_FILE, WEIGHTS_FILE, shipped_mtp_head
 from tools.dense_llama import dense_hidden_states
-from tools.mtp_prompts import (HELD_OUT_TOPICS, TRAIN_TOPICS, as_chat, copy_prompts, held_out_copy_prompts,
-                               held_out_prompts, training_prompts)
+from tools.mtp_prompts import (
+    HELD_OUT_TOPICS,
+    TRAIN_TOPICS,
+    as_chat,
+    copy_prompts,
+    held_out_copy_prompts,
+    held_out_prompts,
+    training_prompts,
+)
 
 # Mean accepted length at 1 draft, greedy, CPU float32: tools/eval_mtp.py measures 1.29 on 16
 # held-out prompts x 64 tokens, and these 4 prompts reach 1.41 at 48 tokens; a random head
@@ -41,7 +48,7 @@ def test_prompt_sets_are_disjoint():
     train = training_prompts(3072)  # the default run's count, copy requests included
     assert len(set(train)) == len(train)
     assert not any(topic in p for p in train for topic in HELD_OUT_TOPICS)
-    assert not set(held_out_copy_prompts(64)) & set(copy_prompts(round(3072 * 0.35), 0))
+    assert not set(held_out_copy_prompts(64)) & set(copy_prompts(round(3072 * 0.35), 0))  # the default run's
 
 
 def test_dense_hidden_states_equal_the_paged_prefill(base):
