@@ -14,7 +14,7 @@ alike. On CUDA every engine replays CUDA graphs for decode steps and MTP passes;
 adds the non-speculative engine without graphs, `--mtp-eager` the MTP engines with the MTP
 module's passes eager (the target's steps still replay graphs).
 
-Writes benchmarks/results/speculative_mtp_<device>.json and .png.
+Writes benchmarks/results/speculative_mtp_<device>.json and .png (`_copy` added with `--prompts copy`).
 """
 
 from __future__ import annotations

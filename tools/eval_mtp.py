@@ -7,7 +7,8 @@
 `--prompts chat` (default) comes from `tools/mtp_prompts.held_out_prompts`: topics no training
 prompt used; `--prompts copy` from `held_out_copy_prompts`: requests to repeat a record, code or
 passage drawn apart from training's, whose answers copy their context.
-Per setting it runs the engine with `{"method": "mtp", "num_speculative_tokens": k}` and reads
+Per setting it runs the engine with `{"method": "mtp", "num_speculative_tokens": k, "adaptive": false}`
+(every step drafts k) and reads
 `llm.engine.spec_stats`: acceptance rate (accepted drafts / drafts verified) and mean accepted
 length (tokens emitted per sequence per verifying step, the sampled token included).
 """
