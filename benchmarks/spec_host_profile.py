@@ -134,9 +134,9 @@ def main() -> None:
         grown = sorted(run["cum_us"].items(), key=lambda kv: kv[1] - base_cum.get(kv[0], 0.0), reverse=True)
         run["cum_top"] = [{"function": f, "us_per_step": round(us, 1),
                            "off_us_per_step": round(base_cum.get(f, 0.0), 1)} for f, us in grown[:args.top]]
+    for run in runs:  # the JSON keeps the top functions only, once every run was compared with the full off run
         run["own_us"] = {f: round(us, 1) for f, us in sorted(run["own_us"].items(), key=lambda kv: -kv[1])[:args.top]}
-    for run in runs:
-        del run["cum_us"]  # the JSON keeps the top functions only
+        del run["cum_us"]
     print_table(table, list(table[0]) if table else [])
     for run in runs:
         if run["config"] != "off":
