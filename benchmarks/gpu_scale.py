@@ -175,11 +175,16 @@ def qwen7b_dir(given: str | None) -> str:
                             "make one with benchmarks/qwen_dummy_dir.py or pass --qwen-dir")
 
 
-def embedded_server_args(args: argparse.Namespace) -> list[str]:
-    serve = ["--device", args.device, "--max-num-seqs", str(max(64, *args.clients))]
-    if args.device.startswith("cuda"):
+def embedded_serve_args(device: str, max_num_seqs: int) -> list[str]:
+    """`fastdeploy serve` arguments of an embedded server that may share its GPU with others."""
+    serve = ["--device", device, "--max-num-seqs", str(max_num_seqs)]
+    if device.startswith("cuda"):
         serve += ["--num-kv-blocks", str(EMBEDDED_KV_BLOCKS)]
     return serve
+
+
+def embedded_server_args(args: argparse.Namespace) -> list[str]:
+    return embedded_serve_args(args.device, max(64, *args.clients))
 
 
 def log_tail(path: str, chars: int = 1500) -> str:
@@ -348,7 +353,7 @@ class Load:
         return sum(self.tokens) / self.wall_s
 
 
-async def _send_all(server: Server, bodies: list[dict], clients: int, timeout_s: float) -> tuple[list[dict], float]:
+async def send_all(server: Server, bodies: list[dict], clients: int, timeout_s: float) -> tuple[list[dict], float]:
     replies: list[dict] = [{} for _ in bodies]
     share = math.ceil(len(bodies) / clients)
 
@@ -373,7 +378,7 @@ def run_load(server: Server, bodies: list[dict], clients: int, timeout_s: float)
     if timeout_s <= 0:
         raise TimeoutError("the time budget is spent")
     cpu0 = time.process_time()
-    replies, wall = asyncio.run(asyncio.wait_for(_send_all(server, bodies, min(clients, len(bodies)), timeout_s),
+    replies, wall = asyncio.run(asyncio.wait_for(send_all(server, bodies, min(clients, len(bodies)), timeout_s),
                                                  timeout_s))
     return Load([r["usage"]["completion_tokens"] for r in replies],
                 [r["choices"][0]["message"].get("content") or "" for r in replies], wall, time.process_time() - cpu0)

@@ -28,13 +28,13 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine_info, print_machine, print_table, write_json  # noqa: E402
-from benchmarks.gpu_scale import EMBEDDED_KV_BLOCKS, SPECS, _send_all, copy_bodies  # noqa: E402
+from benchmarks.gpu_scale import SPECS, copy_bodies, embedded_serve_args, send_all  # noqa: E402
 from benchmarks.serving import Server, fastdeploy_server  # noqa: E402
 
 
 def token_runs(server: Server, bodies: list[dict], clients: int, timeout_s: float) -> list[list[dict]]:
     """Per request, its tokens with their logprob and top-2 (the OpenAI `logprobs.content` entries)."""
-    replies, _ = asyncio.run(asyncio.wait_for(_send_all(server, bodies, clients, timeout_s), timeout_s))
+    replies, _ = asyncio.run(asyncio.wait_for(send_all(server, bodies, clients, timeout_s), timeout_s))
     return [r["choices"][0]["logprobs"]["content"] for r in replies]
 
 
@@ -74,9 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     info = machine_info()
     print_machine(info)
-    serve = ["--device", args.device, "--max-num-seqs", str(max(64, args.clients))]
-    if args.device.startswith("cuda"):
-        serve += ["--num-kv-blocks", str(EMBEDDED_KV_BLOCKS)]
+    serve = embedded_serve_args(args.device, max(64, args.clients))
     servers = {"off": fastdeploy_server("off", serve)}
     for name in args.specs:
         servers[name] = fastdeploy_server(name, [*serve, "--speculative-config", json.dumps(SPECS[name])])

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.common import machine_info, png_path, print_table, pyplot, write_json
 from fastdeploy import LLM, SamplingParams
-from tools.mtp_prompts import as_chat, held_out_copy_prompts, held_out_prompts
+from tools.mtp_prompts import HELD_OUT, as_chat
 
 NAME = "speculative_mtp"
 
@@ -67,8 +67,7 @@ def timed_run(llm: LLM, prompts: list[str], max_tokens: int, device: str) -> tup
 
 
 def run(args: argparse.Namespace) -> dict:
-    source = held_out_copy_prompts if args.prompts == "copy" else held_out_prompts
-    prompts_all = source(max(args.batches) + 8)
+    prompts_all = HELD_OUT[args.prompts](max(args.batches) + 8)
     blocks = args.num_kv_blocks or (2048 if args.device.startswith("cuda") else None)
     built = engines(args.device, max(args.batches), args.draft_tokens, args.eager, args.mtp_eager, args.head,
                     blocks)
@@ -126,7 +125,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", choices=["chat", "copy"], default="chat", help="held-out chat or copy requests")
+    p.add_argument("--prompts", choices=sorted(HELD_OUT), default="chat", help="held-out chat or copy requests")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--max-tokens", type=int, default=128)

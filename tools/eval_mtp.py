@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from fastdeploy import LLM, SamplingParams
-from tools.mtp_prompts import as_chat, held_out_copy_prompts, held_out_prompts
+from tools.mtp_prompts import HELD_OUT, as_chat
 
 
 def evaluate(model: str | None, head: str | None, device: str, prompts: list[str], k: int, temperature: float,
@@ -60,14 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks of the engine (default on CUDA: 2048 rather than all free memory)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", choices=["chat", "copy"], default="chat", help="held-out chat or copy requests")
+    p.add_argument("--prompts", choices=sorted(HELD_OUT), default="chat", help="held-out chat or copy requests")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
-    prompts = (held_out_copy_prompts if args.prompts == "copy" else held_out_prompts)(args.num_prompts)
+    prompts = HELD_OUT[args.prompts](args.num_prompts)
     blocks = args.num_kv_blocks or (2048 if args.device.startswith("cuda") else None)
     print(f"{'temp':>5} {'k':>2} {'acceptance':>10} {'mean_len':>8} {'drafts':>7} {'accepted':>8}")
     rows = []

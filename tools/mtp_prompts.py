@@ -144,5 +144,9 @@ def held_out_copy_prompts(count: int, seed: int = 1) -> list[str]:
     return copy_prompts(count, seed + 10_000)
 
 
+# The held-out sets by the name the evaluation scripts' `--prompts` takes.
+HELD_OUT = {"chat": held_out_prompts, "copy": held_out_copy_prompts}
+
+
 def as_chat(prompts: list[str]) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": p}] for p in prompts]

@@ -70,30 +70,28 @@ def test_dense_hidden_states_equal_the_paged_prefill(base):
     torch.testing.assert_close(dense[1], paged, atol=1e-3, rtol=1e-4)
 
 
-def test_shipped_head_is_exact_and_accepts_on_held_out_prompts(base):
-    prompts = as_chat(held_out_prompts(4))
-    params = SamplingParams(temperature=0, max_tokens=32)
-    expected = base.chat(prompts, params)
-    spec = LLM(max_num_seqs=4, guided_decoding_backend="off",
-               speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # no "model": the shipped head
-    got = spec.chat(prompts, params)
+def _greedy_with_shipped_head(base: LLM, prompts: list[str], max_tokens: int, spec: dict):
+    """The shipped head's speculation stats over `prompts`, its greedy tokens held equal to `base`'s."""
+    chats = as_chat(prompts)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    expected = base.chat(chats, params)
+    llm = LLM(max_num_seqs=len(prompts), guided_decoding_backend="off",
+              speculative_config={"method": "mtp", **spec})  # no "model": the shipped head
+    got = llm.chat(chats, params)
     for e, g in zip(expected, got, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
-    stats = spec.engine.spec_stats
+    return llm.engine.spec_stats
+
+
+def test_shipped_head_is_exact_and_accepts_on_held_out_prompts(base):
+    stats = _greedy_with_shipped_head(base, held_out_prompts(4), 32, {"num_speculative_tokens": 1})
     assert stats.num_draft_tokens > 0
     assert stats.mean_accepted_length >= MIN_MEAN_ACCEPTED_LENGTH, stats
 
 
 def test_shipped_head_drafts_the_text_an_answer_copies(base):
-    prompts = as_chat(held_out_copy_prompts(4))
-    params = SamplingParams(temperature=0, max_tokens=48)
-    expected = base.chat(prompts, params)
-    spec = LLM(max_num_seqs=4, guided_decoding_backend="off",
-               speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
-    got = spec.chat(prompts, params)
-    for e, g in zip(expected, got, strict=True):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-    stats = spec.engine.spec_stats
+    stats = _greedy_with_shipped_head(base, held_out_copy_prompts(4), 48,
+                                      {"num_speculative_tokens": 2, "adaptive": False})
     assert stats.mean_accepted_length >= MIN_COPY_MEAN_ACCEPTED_LENGTH, stats
 
 
