@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +64,42 @@ class FixedCap:
 
     def describe(self) -> str:
         return f"fixed {self.k}"
+
+
+class PatternCap:
+    """A draft policy that gives steps the caps of `pattern` in turn, over and over, and keeps
+    the seconds the engine observed for each step by (the cap before, its cap): what a switch
+    between caps costs against a run of one cap."""
+
+    def __init__(self, pattern: list[int]) -> None:
+        self.pattern = pattern
+        self.k = max(pattern)
+        self._next = 0
+        self._last = pattern[-1]
+        self.seconds: dict[tuple[int, int], list[float]] = {}
+
+    def cap(self, num_rows: int) -> int:
+        cap = self.pattern[self._next % len(self.pattern)]
+        self._next += 1
+        return cap
+
+    def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, *args: object,
+                **kwargs: object) -> None:
+        self.seconds.setdefault((self._last, cap), []).append(seconds)
+        self._last = cap
+
+    def describe(self) -> str:
+        return "pattern " + ",".join(map(str, self.pattern))
+
+    def transitions_ms(self) -> dict[str, float]:
+        """Median ms a step per "cap before->cap" (the median resists the warm-up's steps)."""
+        return {f"{a}->{b}": round(1e3 * statistics.median(v), 3) for (a, b), v in sorted(self.seconds.items())}
+
+
+def cap_policy(spec: str) -> FixedCap | PatternCap:
+    """"2": every step cap 2; "0,0,0,2": the caps in turn (`PatternCap`)."""
+    caps = [int(c) for c in spec.split(",")]
+    return FixedCap(caps[0]) if len(caps) == 1 else PatternCap(caps)
 
 
 def _fill(module: torch.nn.Module, write_scale: float) -> None:
@@ -162,6 +199,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap, batches=[1, 16], tokens=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--patterns", nargs="*", default=[],
+                    help='cap sequences the steps take in turn, such as "0,0,0,0,2" (besides the fixed caps): '
+                         "ms a step, and the median observed step per switch")
     ap.add_argument("--device-timeline", action="store_true",
                     help="CUDA: the device's busy time per step (a step well above it is the host's)")
     ap.add_argument("--name", default="mtp_step_cost")
@@ -182,6 +222,14 @@ def main() -> None:
                     rows.append({"config": f"cap{cap}", **row, "same_as_off": texts == plain})
                 if args.device_timeline and args.device.startswith("cuda"):
                     rows[-1]["device_ms_per_step"] = device_ms_per_step(llm, batch, args.tokens // 2)
+                print(rows[-1], flush=True)
+            for spec in args.patterns:
+                policy = cap_policy(spec)
+                mtp.engine.draft_policy = policy  # type: ignore[assignment]
+                row, texts = measure(mtp, batch, args.tokens, args.reps)
+                rows.append({"config": f"pattern {spec}", **row, "same_as_off": texts == plain})
+                if isinstance(policy, PatternCap):
+                    rows[-1]["transition_ms"] = policy.transitions_ms()
                 print(rows[-1], flush=True)
         for llm in (off, mtp):
             llm.engine.shutdown()

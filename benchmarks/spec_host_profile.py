@@ -31,7 +31,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import finish_bar_axis, machine_info, png_path, print_machine, print_table, pyplot, write_json  # noqa: E402,I001
-from benchmarks.mtp_step_cost import NUM_DRAFTS, FixedCap, add_engine_args, build_engines, prompts  # noqa: E402
+from benchmarks.mtp_step_cost import NUM_DRAFTS, add_engine_args, build_engines, cap_policy, prompts  # noqa: E402
 from benchmarks.verify_step import counted_steps  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 
@@ -89,7 +89,8 @@ def count_syncs(llm: LLM, batch: int, tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap, batches=[16, 64], tokens=192)
-    ap.add_argument("--caps", type=int, nargs="+", default=[0, NUM_DRAFTS])
+    ap.add_argument("--caps", nargs="+", default=["0", str(NUM_DRAFTS)],
+                    help='fixed caps, or cap sequences taken in turn such as "0,0,0,0,2"')
     ap.add_argument("--top", type=int, default=25, help="functions kept per configuration, by own time")
     ap.add_argument("--callees", nargs="*", default=["feed_in_flight", "draft_in_flight", "launch", "_submit"],
                     help="functions (by name) whose callees' cumulative times are recorded")
@@ -109,7 +110,7 @@ def main() -> None:
             if args.count_syncs:
                 runs[-1]["syncs"] = count_syncs(off, batch, args.tokens)
             for cap in args.caps:
-                speculating.engine.draft_policy = FixedCap(cap)  # type: ignore[assignment]
+                speculating.engine.draft_policy = cap_policy(cap)  # type: ignore[assignment]
                 ms, own, cumulative, callees, steps = profile_run(speculating, batch, args.tokens, args.callees)
                 runs.append({"batch": batch, "config": f"cap{cap}", "ms_per_step": ms, "steps": steps, "own_us": own,
                              "cum_us": cumulative, "callees": callees})

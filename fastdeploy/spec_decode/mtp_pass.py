@@ -8,10 +8,8 @@ passes, passes past the captured sizes, `--enforce-eager` and CPU run eagerly.
 `fill` is the pass for a step after which no drafts are taken (the draft policy's cap 0): it
 writes the rows' K/V into the MTP cache, which later drafts attend to, and skips the draft
 itself, whose vocabulary projection costs most of a pass on a small model (its own graphs).
-`fill_after_decode` is that pass for a decode step of the target that ran as a CUDA graph and
-whose tokens are still on the device: its graphs read the target's graph inputs and output
-directly (pair p+1 of each row is the row's hidden state and sampled token), so the host
-copies one tensor and replays one graph.
+A step without drafts sent ahead skips even that: its pairs are kept by slot and filled in
+when the sequence next drafts (`fastdeploy/spec_decode/mtp_gaps.py`).
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ class MTPPass:
                  buffers: DecodeBuffers | None = None, decode: CudaGraphRunner | None = None,
                  max_num_seqs: int = 0, num_drafts: int = 0) -> None:
         """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly. `decode`:
-        the target's captured decode steps, which `fill_after_decode` follows for steps of up
-        to `max_num_seqs` sequences, and `draft_after_decode` for any of them, with up to
-        `num_drafts` drafts."""
+        the target's captured decode steps, which `draft_after_decode` follows (when
+        `max_num_seqs` > 0) with up to `num_drafts` drafts."""
         self.head = head
         self.target = target
         self.kv_cache = kv_cache
@@ -42,7 +39,6 @@ class MTPPass:
         self.graphs: GraphRunner[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.fill_graphs: GraphRunner[torch.Tensor] | None = None
         self.decode = decode
-        self.after_decode_graphs: GraphRunner[torch.Tensor] | None = None
         if buffers is not None:
             weight = target.model.embed_tokens.weight
             self.prev_hidden = torch.zeros(buffers.capacity, target.config.hidden_size, dtype=weight.dtype,
@@ -53,10 +49,8 @@ class MTPPass:
         self.draft_graphs: dict[int, GraphRunner[torch.Tensor]] = {}
         if decode is not None and max_num_seqs > 0:
             device = decode.buffers.input_ids.device
-            sizes = decode.graphs.sizes[:decode.graphs.sizes.index(decode.graphs.padded_size(max_num_seqs)) + 1]
             # The tokens a decode step sampled, copied here: the sampler's output moves per step.
             self.sampled_ids = torch.zeros(decode.buffers.capacity, dtype=torch.long, device=device)
-            self.after_decode_graphs = GraphRunner(self._graph_fill_after_decode, sizes, "MTP cache fill after decode")
             # Per drafting sequence: its first row in the step, the tokens it accepted there, and
             # whether the entry is one (rows past the step's sequences are padding).
             self.run_starts = torch.zeros(decode.buffers.capacity, dtype=torch.long, device=device)
@@ -70,8 +64,6 @@ class MTPPass:
         if self.graphs is not None and self.fill_graphs is not None:
             self.graphs.capture()
             self.fill_graphs.capture()
-        if self.after_decode_graphs is not None:
-            self.after_decode_graphs.capture()
         for graphs in self.draft_graphs.values():
             graphs.capture()
 
@@ -95,15 +87,6 @@ class MTPPass:
         b = self.buffers
         assert b is not None, "graphs are captured only with buffers"
         return self._hidden(b.input_ids[:batch], self.prev_hidden[:batch], b.positions[:batch], b.metadata(batch))
-
-    def _graph_fill_after_decode(self, batch: int) -> torch.Tensor:
-        decode = self.decode
-        assert decode is not None, "captured only after the target's decode graphs"
-        t = decode.buffers
-        positions, meta = next_position_metadata(t.positions[:batch], t.context_lens[:batch], t.block_tables[:batch],
-                                                 t.block_size, t.pad_slot)
-        # An unsettled row's negative marker is clamped, as `SampledTokens.fill` does.
-        return self._hidden(self.sampled_ids[:batch].clamp(min=0), decode.graphs.outputs[batch], positions, meta)
 
     def _graph_draft_after_decode(self, batch: int, cap: int) -> torch.Tensor:
         """`draft_chain` over a decode step of `batch` rows the target replayed, read from its
@@ -170,20 +153,6 @@ class MTPPass:
         else:
             self.run_accepted[:b].copy_(accepted)
         return self.draft_graphs[cap].replay(batch)[:b].clone()
-
-    def follows_decode_graph(self, num_rows: int, meta: AttentionMetadata) -> bool:
-        """Whether the target ran a decode step of `num_rows` rows (and `meta`) as a graph this
-        pass has a fill for."""
-        return (self.after_decode_graphs is not None and self.decode is not None
-                and self.decode.can_run(num_rows, meta) and num_rows <= self.after_decode_graphs.sizes[-1])
-
-    def fill_after_decode(self, tokens: torch.Tensor) -> None:
-        """`fill` of pair p+1 = (hidden, `tokens`) for every row of the decode step the target
-        just replayed (`follows_decode_graph`), read from that step's graph."""
-        assert self.after_decode_graphs is not None and self.decode is not None
-        n = tokens.shape[0]
-        self.sampled_ids[:n].copy_(tokens)
-        self.after_decode_graphs.replay(self.decode.graphs.padded_size(n))
 
     def fill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
              meta: AttentionMetadata) -> None:

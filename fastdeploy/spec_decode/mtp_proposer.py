@@ -25,7 +25,7 @@ import torch
 from fastdeploy.common.step_input import ChunkInput
 from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
-from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
+from fastdeploy.spec_decode.mtp_pass import MTPPass
 
 PrepareInputs = Callable[[list[ChunkInput], dict], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]]
 # Writes the in-flight token of each (input row, seq_id) slot into the input ids, on the device.
@@ -78,19 +78,6 @@ class MTPProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.prepare_inputs = prepare_inputs
-
-    def fill_after_decode(self, step_hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                          meta: AttentionMetadata) -> None:
-        """The MTP cache's pairs of a decode step without drafts, none drafted: row i of the step
-        (position p, hidden row i) gives pair p+1 = (hidden i, token i of `tokens`, which the
-        step sampled and the host has not seen), in the same blocks; everything derived on the
-        device from the step's own inputs. (After a decode step the target ran as a CUDA graph,
-        `MTPPass.fill_after_decode` does this in a graph.)"""
-        shifted, next_meta = next_position_metadata(positions, meta.decode_context_lens, meta.decode_block_tables,
-                                                    meta.block_size)
-        # An unsettled row's negative marker is clamped as `SampledTokens.fill` does; the step
-        # behind it is run again once that row is redrawn.
-        self.mtp_pass.fill(tokens.clamp(min=0), step_hidden, shifted, next_meta)
 
     def propose(self, work: list[MTPWork], step_hidden: torch.Tensor, max_drafts: int | None = None,
                 fill_in_flight: FillInFlight | None = None) -> PendingDrafts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 
@@ -11,6 +12,7 @@ from fastdeploy.common.config import EngineConfig, ModelConfig
 from fastdeploy.model_executor.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
+from fastdeploy.spec_decode.mtp_gaps import PairStore
 
 logger = logging.getLogger(__name__)
 
@@ -20,9 +22,18 @@ def num_kv_blocks(
     device: torch.device,
 ) -> int:  # fmt: skip
     block_bytes = kv_cache_bytes_per_block(model_config, config.cache.block_size, dtype)
+    if config.speculative is not None and config.speculative.method == "mtp":
+        block_bytes += mtp_bytes_per_block(model_config, config.cache.block_size, dtype)
     if device.type != "cuda":
         return max(1, config.cache.kv_cache_memory_bytes // block_bytes)
     return _profile_gpu_blocks(model, model_config, config, dtype, device, block_bytes)
+
+
+def mtp_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """What MTP keeps per block beside the target's K/V: its one layer's K/V and the kept pairs."""
+    one_layer = dataclasses.replace(model_config, num_hidden_layers=1)
+    return (kv_cache_bytes_per_block(one_layer, block_size, dtype)
+            + block_size * PairStore.bytes_per_slot(model_config.hidden_size, dtype))
 
 
 @torch.inference_mode()

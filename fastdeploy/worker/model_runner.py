@@ -317,8 +317,8 @@ class ModelRunner:
             if drafts_ahead:
                 starts = list(itertools.accumulate((len(d) + 1 for d in slot_drafts), initial=0))[:-1]
                 self._last_sampled.drafts = self.mtp.draft_in_flight(
-                    hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids, starts,
-                    None if verified is None else verified.accepted, next_cap)
+                    chunks, self.sequences, hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids,
+                    starts, None if verified is None else verified.accepted, next_cap)
             else:
                 self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
         elif self.token_history is not None and drafts_ahead and next_cap > 0:

@@ -16,6 +16,7 @@ from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
+from fastdeploy.spec_decode.mtp_gaps import PairStore
 from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
 from fastdeploy.spec_decode.mtp_proposer import NO_DRAFTS, MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.worker.graph_capture import DecodeShape
@@ -39,6 +40,7 @@ class MTPStep:
         head = load_mtp_head(spec.model or shipped_mtp_head(config.model), model_config, dtype, device)
         one_layer = dataclasses.replace(model_config, num_hidden_layers=1)
         mtp_cache = allocate_kv_caches(one_layer, num_blocks + 1, self.block_size, dtype, device)[0]
+        self.pairs = PairStore((num_blocks + 1) * self.block_size, model_config.hidden_size, dtype, device)
         buffers = DecodeBuffers(shape.max_decode_rows, shape.max_blocks_per_seq, self.block_size, shape.pad_slot,
                                 device) if use_graphs else None
         self.mtp_pass = MTPPass(head, model, mtp_cache, buffers, decode_graphs, config.scheduler.max_num_seqs,
@@ -54,6 +56,7 @@ class MTPStep:
              ) -> None:
         """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts (at most
         `max_drafts`, where given) for the next step."""
+        self._take_in_kept(chunks, sequences)
         work = self._work(chunks, accepted, drafts, sequences, in_flight=False)
         # Read back when the next step needs them: meanwhile the GPU runs the passes.
         self._pending = (self.proposer.propose(work, hidden, max_drafts), [c.seq_id for c in chunks if c.sample])
@@ -68,20 +71,23 @@ class MTPStep:
         `positions` and `meta`: the step's own inputs on the device."""
         seq_ids = list(sampled.seq_ids)
         if not meta.prefills and self._next_slots_reserved(chunks, seq_ids):
-            # A pure decode step: its pairs follow from its own inputs on the device (after a
-            # decode graph, from that graph's buffers).
-            if self.mtp_pass.follows_decode_graph(len(seq_ids), meta):
-                self.mtp_pass.fill_after_decode(sampled.tokens)
-            else:
-                self.proposer.fill_after_decode(hidden, sampled.tokens, positions, meta)
+            # A pure decode step: its pairs are kept by slot, taken in when the sequence next
+            # needs the MTP cache (mtp_gaps.py); one row per sequence, in `seq_ids` order.
+            self.pairs.keep(meta.slot_mapping, hidden, sampled.tokens)
+            for seq_id in seq_ids:
+                state = sequences.get(seq_id)
+                if state is not None:  # not freed since
+                    state.mtp_gap += 1
         else:
+            self._take_in_kept(chunks, sequences)
             work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
             self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
         self._pending = (NO_DRAFTS, seq_ids)
 
-    def draft_in_flight(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        row_tokens: torch.Tensor, seq_ids: list[int], starts: list[int],
-                        accepted: torch.Tensor | None, cap: int) -> torch.Tensor | None:
+    def draft_in_flight(self, chunks: list[ChunkInput], sequences: dict[int, WorkerSequence], hidden: torch.Tensor,
+                        positions: torch.Tensor, meta: AttentionMetadata, row_tokens: torch.Tensor,
+                        seq_ids: list[int], starts: list[int], accepted: torch.Tensor | None, cap: int
+                        ) -> torch.Tensor | None:
         """`feed` for a pure decode step (a run of decode rows per sequence: its newest token, then
         any drafts it verified) whose successor launches before its tokens reach the host, and
         takes `cap` drafts per sequence from the device: int64 [len(seq_ids), cap] (None for cap 0).
@@ -94,6 +100,7 @@ class MTPStep:
         decode graph of the target, all of it replays as one graph; otherwise `positions` and
         `meta`, the step's own inputs on the device, give the passes' inputs."""
         self._pending = (NO_DRAFTS, seq_ids)
+        self._take_in_kept(chunks, sequences)
         n = row_tokens.shape[0]
         if cap > 0 and self.mtp_pass.drafts_after_decode_graph(n, meta):
             return self.mtp_pass.draft_after_decode(row_tokens, starts, accepted, cap)
@@ -108,6 +115,24 @@ class MTPStep:
             rows = upload_int64([starts], hidden.device)[0] + accepted.long() - 1
         return self.mtp_pass.draft_chain(row_tokens, hidden, positions, meta.decode_context_lens,
                                          meta.decode_block_tables, self.block_size, rows, None, cap)
+
+    def _take_in_kept(self, chunks: list[ChunkInput], sequences: dict[int, WorkerSequence]) -> None:
+        """Before a pass over `chunks`: the MTP cache's pairs that steps without drafts kept
+        aside, for every chunk's sequence that has them, in one pass. A chunk's first row is the
+        position after the last kept one: steps that keep pairs have no drafts, so the host's
+        positions of the step after them are exact."""
+        gaps = []
+        for chunk in chunks:
+            state = sequences.get(chunk.seq_id)
+            if state is None or state.mtp_gap == 0:
+                continue
+            if chunk.start > 0:  # a chunk from position 0 computes the sequence again (preempted)
+                gaps.append((chunk.start, state.mtp_gap, chunk.block_ids))
+            state.mtp_gap = 0
+        if gaps:
+            tokens, prev_hidden, positions, meta = self.pairs.refill_inputs(gaps, self.block_size,
+                                                                            self.pairs.hidden.device)
+            self.mtp_pass.fill(tokens, prev_hidden, positions, meta)
 
     def _next_slots_reserved(self, chunks: list[ChunkInput], seq_ids: list[int]) -> bool:
         """Whether the step is one token per sampled row, in the sampler's row order (`seq_ids`),

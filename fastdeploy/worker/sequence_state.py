@@ -20,6 +20,9 @@ class WorkerSequence:
     sampling_mask_bitmap: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     pending_drafts: list[int] = field(default_factory=list)  # MTP: drafted after the last step
+    # MTP: pairs before the next row that steps without drafts kept aside instead of taking in
+    # (`fastdeploy/spec_decode/mtp_gaps.py`); the next pass over the sequence takes them in first.
+    mtp_gap: int = 0
 
     def token_range(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output, without building the whole sequence."""

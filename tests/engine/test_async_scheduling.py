@@ -528,9 +528,10 @@ def test_adaptive_mtp_sends_steps_ahead_with_and_without_drafts(predictable_dir,
         calls["fill"] += 1
         return feed_in_flight(self, *args, **kwargs)
 
-    def recording_device(self, hidden, positions, meta, row_tokens, seq_ids, starts, accepted, cap):
+    def recording_device(self, chunks, sequences, hidden, positions, meta, row_tokens, seq_ids, starts, accepted, cap):
         calls["draft"] += 1
-        drafts = draft_in_flight(self, hidden, positions, meta, row_tokens, seq_ids, starts, accepted, cap)
+        drafts = draft_in_flight(self, chunks, sequences, hidden, positions, meta, row_tokens, seq_ids, starts,
+                                 accepted, cap)
         if drafts is not None:
             # Keyed by where the step after drafts them: the position after the newest token.
             rows = torch.tensor(starts) + (0 if accepted is None else accepted.cpu().long() - 1)

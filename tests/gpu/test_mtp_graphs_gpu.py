@@ -122,44 +122,28 @@ def test_captured_fill_writes_the_cache_the_drafting_pass_writes():
     _release()
 
 
-def test_fill_after_a_decode_graph_writes_what_the_eager_fill_writes():
-    """A decode step without drafts sent ahead fills the MTP cache in a graph of its own that
-    reads the target's decode graph (positions, block tables, hidden states) and the sampled
-    tokens, an unsettled marker included: the K/V the eager fill writes from the same step."""
-    from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
+def test_pairs_kept_and_taken_in_later_write_what_filling_each_step_writes_on_cuda():
+    """The CUDA twin of the CPU test: steps without drafts keep their pairs by slot and one pass
+    takes them in later (here replayed as the captured fill graph, the rows padded): the K/V
+    the step-by-step fill writes, bf16 rounding aside."""
+    from tests.spec_decode.mtp_kept_pairs import kept_then_taken_in
 
     llm = _engine(speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     runner = llm.engine.executor.runner
     mtp_pass = runner.mtp.mtp_pass
-    proposer = runner.mtp.proposer
-    assert mtp_pass.after_decode_graphs is not None
-    gen = torch.Generator(device="cpu").manual_seed(2)
+    assert mtp_pass.fill_graphs is not None
     bs = runner.block_size
-    # Five sequences decoding (padded to 8 rows); the second one's next position opens a block.
-    starts = [20, 2 * bs - 1, 7, 2 * bs + 8, 15]
-    last = torch.randint(0, 1000, (len(starts),), generator=gen).tolist()
-    chunks = [ChunkInput(s, [last[s]], start, [3 * s + 1, 3 * s + 2, 3 * s + 3], True)
-              for s, start in enumerate(starts)]
-    input_ids, positions, meta, _ = prepare_inputs(chunks, {}, bs, runner.device)
-    tokens = torch.randint(0, runner.model_config.vocab_size, (len(chunks),), generator=gen)
-    tokens[3] = UNSETTLED_TOKEN
-    tokens = tokens.to(runner.device)
-    written = []
+    # Five sequences, six steps each (30 rows: one captured fill graph); the second one's
+    # pairs cross into a new block.
+    starts = [20, 2 * bs - 3, 7, 2 * bs + 8, 15]
+    tables = [[3 * s + 1, 3 * s + 2, 3 * s + 3] for s in range(len(starts))]
     with torch.inference_mode():
-        for graphed in (True, False):
-            mtp_pass.kv_cache.zero_()
-            hidden = runner._forward(input_ids, positions, meta)  # the target's decode graph
-            assert mtp_pass.follows_decode_graph(len(chunks), meta)
-            if graphed:
-                mtp_pass.fill_after_decode(tokens)
-            else:
-                proposer.fill_after_decode(hidden, tokens, positions, meta)
-            torch.cuda.synchronize()
-            written.append(mtp_pass.kv_cache.clone())
-    # The last block is the spare one that padding rows write to (8 rows in the graph, the eager
-    # fill's own padding): scratch, not compared.
+        mtp_pass.kv_cache.zero_()
+        filled, kept = kept_then_taken_in(mtp_pass, 6, starts, tables, runner.model_config.hidden_size,
+                                          runner.model_config.vocab_size, runner.device)
+    # The last block is the spare one that padding rows write to: scratch, not compared.
     pool = slice(0, runner.num_blocks)
-    assert written[0][:, pool].abs().sum() > 0
-    torch.testing.assert_close(written[0][:, pool].float(), written[1][:, pool].float(), atol=2e-2, rtol=2e-2)
-    del llm, runner, mtp_pass, proposer
+    assert filled[:, pool].abs().sum() > 0
+    torch.testing.assert_close(kept[:, pool].float(), filled[:, pool].float(), atol=2e-2, rtol=2e-2)
+    del llm, runner, mtp_pass
     _release()

@@ -95,46 +95,25 @@ def test_fill_writes_the_cache_a_drafting_pass_writes():
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
 
 
-def test_fill_after_decode_writes_what_the_in_flight_work_writes():
-    """A pure decode step sent ahead fills the MTP cache from its own device inputs
-    (`fill_after_decode`): the same K/V as the per-sequence work with its tokens read on the
-    device, an unsettled row's marker included."""
-    import functools
-
-    from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput
-    from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
+def test_pairs_kept_and_taken_in_later_write_what_filling_each_step_writes():
+    """Steps without drafts sent ahead keep their pairs by slot instead of running the MTP
+    module; the pass that takes them in later (all of a sequence's, the batch's sequences
+    together, each attending to the pairs before it in the same pass) writes the K/V that
+    filling after every step wrote, a block boundary crossed and an unsettled row included."""
     from fastdeploy.spec_decode.mtp_pass import MTPPass
-    from fastdeploy.spec_decode.mtp_proposer import MTPProposer, MTPWork
-    from fastdeploy.worker.in_flight_step import SampledTokens
-    from fastdeploy.worker.input_prep import prepare_inputs
+    from tests.spec_decode.mtp_kept_pairs import kept_then_taken_in
 
     torch.manual_seed(2)
     config = _config()
     target = LlamaForCausalLM(config).eval()
     head = MTPHead(mtp_config(config)).eval()
-    # Three sequences decoding at positions 5, 3 (its next position opens a new block) and 9.
-    chunks = [ChunkInput(7, [IN_FLIGHT_TOKEN], 5, [4, 1, 6], True), ChunkInput(2, [IN_FLIGHT_TOKEN], 3, [0, 5], True),
-              ChunkInput(9, [IN_FLIGHT_TOKEN], 9, [2, 3, 7], True)]
-    _, positions, meta, _ = prepare_inputs(chunks, {}, BS, torch.device("cpu"))
-    hidden = torch.randn(3, config.hidden_size)
-    sampled = SampledTokens([7, 2, 9], torch.tensor([11, UNSETTLED_TOKEN, 40]))
-    start_cache = torch.randn(allocate_kv_caches(mtp_config(config), 8, BS, torch.float32, "cpu")[0].shape)
-    caches = []
-    for derived in (False, True):
-        cache = start_cache.clone()
-        proposer = MTPProposer(MTPPass(head, target, cache), 2, BS,
-                               functools.partial(prepare_inputs, block_size=BS, device=torch.device("cpu")))
-        with torch.no_grad():
-            if derived:
-                proposer.fill_after_decode(hidden, sampled.tokens, positions, meta)
-            else:
-                work = [MTPWork(c.seq_id, c.start + 1, [0], [row], c.block_ids, True, in_flight=True)
-                        for row, c in enumerate(chunks)]
-                pending = proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=torch.device("cpu")))
-                assert pending.resolve() == {}
-        caches.append(cache)
-    assert not torch.equal(caches[0], start_cache)
-    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+    cache = allocate_kv_caches(mtp_config(config), 12, BS, torch.float32, "cpu")[0]
+    cache.copy_(torch.randn(cache.shape))
+    with torch.no_grad():
+        filled, kept = kept_then_taken_in(MTPPass(head, target, cache), 6, [5, 3, 9],
+                                          [[4, 1, 6, 8], [0, 5, 10], [2, 3, 7, 11]], config.hidden_size,
+                                          config.vocab_size, torch.device("cpu"))
+    torch.testing.assert_close(kept, filled, atol=1e-5, rtol=1e-5)
 
 
 def test_pending_drafts_resolve_per_sequence_in_draft_order():
