@@ -199,6 +199,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap, batches=[1, 16], tokens=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--caps", type=int, nargs="*", default=list(range(NUM_DRAFTS + 1)),
+                    help="the fixed caps measured (default: every one)")
     ap.add_argument("--patterns", nargs="*", default=[],
                     help='cap sequences the steps take in turn, such as "0,0,0,0,2" (besides the fixed caps): '
                          "ms a step, and the median observed step per switch")
@@ -214,7 +216,7 @@ def main() -> None:
         for batch in args.batches:
             row, plain = measure(off, batch, args.tokens, args.reps)
             rows.append({"config": "off", **row, "same_as_off": True})
-            for cap in [None, *range(NUM_DRAFTS + 1)]:
+            for cap in [None, *args.caps]:
                 llm = off if cap is None else mtp
                 if cap is not None:
                     mtp.engine.draft_policy = FixedCap(cap)  # type: ignore[assignment]
@@ -237,7 +239,7 @@ def main() -> None:
     path = write_json(args.name, {"machine": info, "args": vars(args), "rows": rows})
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = ["off"] + [f"cap{c}" for c in range(NUM_DRAFTS + 1)]
+    names = ["off"] + [f"cap{c}" for c in args.caps]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [next(r["ms_per_step"] for r in rows if r["config"] == name and r["batch"] == b) for b in args.batches]
