@@ -2,10 +2,12 @@
 
     python benchmarks/mtp_step_cost.py [--method mtp|ngram] [--shape smollm2-135m|llama-1b|llama3-8b-dummy]
         [--device cuda] [--batches 1 16] [--tokens 256] [--tokenizer DIR] [--device-timeline] [--name NAME]
+        [--caps 0 1 2] [--patterns 0,0,0,0,2 ...]
 
 One engine without speculation and one with MTP (2 drafts; `--method ngram`: n-gram lookup of
 2 drafts, suffixes of 1-3 tokens), the draft policy replaced by one that always gives the same
-cap (0, 1, 2: `FixedCap`), greedy, EOS ignored, token-id prompts.
+cap (0, 1, 2: `FixedCap`; `--patterns`: caps taken in turn, `PatternCap`), greedy, EOS ignored,
+token-id prompts.
 Per batch and cap: milliseconds per engine step (best of `--reps` runs), tokens per step per
 sequence, the drafts' acceptance, and whether the text equals the engine's without speculation.
 
