@@ -10,6 +10,10 @@ p+1 = (target hidden at p, token sampled at p), into the slot of position p; the
 over the sequence that needs the cache (drafts again, or a pass that takes its rows in) first
 runs the module over the pairs kept since (`refill`), all of the batch's in one pass.
 
+One pass takes at most a step's worth of rows (`split_gaps`: a long run without drafts is taken
+in over several passes, each sequence's earlier pairs first), so it never needs more memory than
+the largest step the KV sizing measured.
+
 A pair's token is the sampled one, clamped as `SampledTokens.fill` does (a row whose token is
 drawn again later keeps the first draw here, as the filled cache did: drafts, not outputs, can
 differ).
@@ -22,6 +26,8 @@ import torch
 
 from fastdeploy.model_executor.device_inputs import upload_int64
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
+
+Gap = tuple[int, int, list[int]]  # (position p of the next row, pairs kept before it, block table)
 
 
 class PairStore:
@@ -40,7 +46,7 @@ class PairStore:
         self.hidden.index_copy_(0, slots, hidden)
         self.tokens.index_copy_(0, slots, tokens.clamp(min=0))
 
-    def refill_inputs(self, gaps: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+    def refill_inputs(self, gaps: list[Gap], block_size: int, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The MTP pass over the kept pairs of `gaps`, (position p of a sequence's next row, L
         pairs kept, its block table) each: pairs p-L+1 .. p as decode rows (each attends to the
@@ -64,3 +70,23 @@ class PairStore:
                                  decode_block_tables=tables_d.view(len(gaps), width).index_select(0, owner_d),
                                  decode_context_lens=positions_d + 1, prefills=[], block_size=block_size)
         return (self.tokens.index_select(0, sources_d), self.hidden.index_select(0, sources_d), positions_d, meta)
+
+
+
+def split_gaps(gaps: list[Gap], max_rows: int) -> list[list[Gap]]:
+    """`gaps` as passes of at most `max_rows` rows; a sequence's pairs, where they do not fit one
+    pass, over consecutive passes in position order (a pair attends to the ones before it)."""
+    passes: list[list[Gap]] = [[]]
+    room = max_rows
+    for end, count, table in gaps:
+        first = end - count + 1
+        while count > 0:
+            if room == 0:
+                passes.append([])
+                room = max_rows
+            take = min(count, room)
+            passes[-1].append((first + take - 1, take, table))
+            first += take
+            count -= take
+            room -= take
+    return [p for p in passes if p]

@@ -16,7 +16,7 @@ from fastdeploy.model_executor.layers.attention import allocate_kv_caches
 from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadata
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import load_mtp_head, shipped_mtp_head
-from fastdeploy.spec_decode.mtp_gaps import PairStore
+from fastdeploy.spec_decode.mtp_gaps import PairStore, split_gaps
 from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
 from fastdeploy.spec_decode.mtp_proposer import NO_DRAFTS, MTPProposer, MTPWork, PendingDrafts
 from fastdeploy.worker.graph_capture import DecodeShape
@@ -37,6 +37,9 @@ class MTPStep:
         spec = config.speculative
         assert spec is not None and spec.method == "mtp"
         self.block_size = shape.block_size
+        # The most rows one pass over kept pairs takes: the largest step the KV sizing measured
+        # the activation peak of.
+        self.max_refill_rows = config.scheduler.max_num_batched_tokens
         head = load_mtp_head(spec.model or shipped_mtp_head(config.model), model_config, dtype, device)
         one_layer = dataclasses.replace(model_config, num_hidden_layers=1)
         mtp_cache = allocate_kv_caches(one_layer, num_blocks + 1, self.block_size, dtype, device)[0]
@@ -129,8 +132,8 @@ class MTPStep:
             if chunk.start > 0:  # a chunk from position 0 computes the sequence again (preempted)
                 gaps.append((chunk.start, state.mtp_gap, chunk.block_ids))
             state.mtp_gap = 0
-        if gaps:
-            tokens, prev_hidden, positions, meta = self.pairs.refill_inputs(gaps, self.block_size,
+        for batch in split_gaps(gaps, self.max_refill_rows):
+            tokens, prev_hidden, positions, meta = self.pairs.refill_inputs(batch, self.block_size,
                                                                             self.pairs.hidden.device)
             self.mtp_pass.fill(tokens, prev_hidden, positions, meta)
 

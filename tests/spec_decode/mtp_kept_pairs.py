@@ -8,17 +8,19 @@ import torch
 
 from fastdeploy.common.step_input import IN_FLIGHT_TOKEN, ChunkInput
 from fastdeploy.model_executor.layers.sample.sampler import UNSETTLED_TOKEN
-from fastdeploy.spec_decode.mtp_gaps import PairStore
+from fastdeploy.spec_decode.mtp_gaps import PairStore, split_gaps
 from fastdeploy.spec_decode.mtp_pass import MTPPass, next_position_metadata
 from fastdeploy.worker.input_prep import prepare_inputs
 
 
 def kept_then_taken_in(mtp_pass: MTPPass, steps: int, starts: list[int], tables: list[list[int]], hidden_size: int,
-                       vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                       vocab: int, device: torch.device, max_rows: int = 1 << 20
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MTP cache after `steps` decode steps of sequences at `starts` (one row each, random
     hidden states and sampled tokens, an unsettled marker among them): filled step by step as
     the engine did before (`MTPPass.fill` of pair p+1 after each step), and with the pairs kept
-    by slot and taken in by one pass at the end (`PairStore`). Both caches start equal."""
+    by slot and taken in at the end (`PairStore`), in passes of at most `max_rows` rows
+(`split_gaps`). Both caches start equal."""
     bs = mtp_pass.kv_cache.shape[2]  # [2, blocks, block size, heads, dims]
     start_cache = mtp_pass.kv_cache.clone()
     store = PairStore(mtp_pass.kv_cache.shape[1] * bs, hidden_size, mtp_pass.kv_cache.dtype, device)
@@ -43,7 +45,8 @@ def kept_then_taken_in(mtp_pass: MTPPass, steps: int, starts: list[int], tables:
                 mtp_pass.fill(tokens.clamp(min=0), hidden, shifted, next_meta)
         if keep:
             gaps = [(p + steps, steps, table) for p, table in zip(starts, tables, strict=True)]
-            mtp_pass.fill(*store.refill_inputs(gaps, bs, device))
+            for batch in split_gaps(gaps, max_rows):
+                mtp_pass.fill(*store.refill_inputs(batch, bs, device))
         written.append(mtp_pass.kv_cache.clone())
     assert not torch.equal(written[0], start_cache)
     return written[0], written[1]

@@ -109,11 +109,21 @@ def test_pairs_kept_and_taken_in_later_write_what_filling_each_step_writes():
     head = MTPHead(mtp_config(config)).eval()
     cache = allocate_kv_caches(mtp_config(config), 12, BS, torch.float32, "cpu")[0]
     cache.copy_(torch.randn(cache.shape))
-    with torch.no_grad():
-        filled, kept = kept_then_taken_in(MTPPass(head, target, cache), 6, [5, 3, 9],
-                                          [[4, 1, 6, 8], [0, 5, 10], [2, 3, 7, 11]], config.hidden_size,
-                                          config.vocab_size, torch.device("cpu"))
-    torch.testing.assert_close(kept, filled, atol=1e-5, rtol=1e-5)
+    for max_rows in (1 << 20, 4):  # one pass; passes of 4 rows, sequences split across them
+        with torch.no_grad():
+            filled, kept = kept_then_taken_in(MTPPass(head, target, cache), 6, [5, 3, 9],
+                                              [[4, 1, 6, 8], [0, 5, 10], [2, 3, 7, 11]], config.hidden_size,
+                                              config.vocab_size, torch.device("cpu"), max_rows)
+        torch.testing.assert_close(kept, filled, atol=1e-5, rtol=1e-5)
+
+
+def test_split_gaps_keeps_each_sequences_pairs_in_order_within_the_row_limit():
+    from fastdeploy.spec_decode.mtp_gaps import split_gaps
+
+    assert split_gaps([(10, 5, [1]), (20, 7, [2])], 4) == [[(9, 4, [1])], [(10, 1, [1]), (16, 3, [2])],
+                                                             [(20, 4, [2])]]
+    assert split_gaps([(10, 5, [1])], 100) == [[(10, 5, [1])]]
+    assert split_gaps([], 4) == []
 
 
 def test_pending_drafts_resolve_per_sequence_in_draft_order():
