@@ -26,7 +26,8 @@ def prepare_inputs(
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    decode_tables: list[list[int]] = []
+    decode_tables: list[list[int]] = []  # per decode chunk: its block table, ...
+    table_rows: list[int] = []  # ... and how many decode rows read it (1 + its drafts)
     decode_lens: list[int] = []
     prefills: list[PrefillSeq] = []
     sample_rows: list[int] = []  # flat token index of every sampled slot
@@ -42,6 +43,7 @@ def prepare_inputs(
             positions.append(p)
             slots.append(chunk.block_ids[p // bs] * bs + p % bs)
             decode_tables.append(chunk.block_ids)
+            table_rows.append(1)
             decode_lens.append(p + 1)
             sample_rows.append(start)
             continue
@@ -55,7 +57,8 @@ def prepare_inputs(
         # step's K/V is written before any query reads it, so this is causal attention,
         # and verification steps batch (and replay as CUDA graphs) like plain decodes.
         if chunk.sample and (n == 1 or chunk.seq_id in drafts) and not prefills:
-            decode_tables.extend([chunk.block_ids] * n)
+            decode_tables.append(chunk.block_ids)
+            table_rows.append(n)
             decode_lens.extend(range(chunk.start + 1, context_len + 1))
         else:
             prefill_table = torch.tensor(chunk.block_ids[: (context_len + bs - 1) // bs], dtype=torch.long)
@@ -68,13 +71,16 @@ def prepare_inputs(
     tables = np.zeros((len(decode_tables), width), dtype=np.int64)
     for row, table in enumerate(decode_tables):
         tables[row, : len(table)] = table
+    num_decode_rows = len(decode_lens)
+    if num_decode_rows != len(decode_tables):  # a drafted chunk's rows share its table: filled once
+        tables = np.repeat(tables, table_rows, axis=0)
     ids_d, positions_d, slots_d, lens_d, tables_d = upload_int64(
         [token_ids, positions, slots, decode_lens, tables], device
     )
     metadata = AttentionMetadata(
         slot_mapping=slots_d,
-        num_decode_tokens=len(decode_tables),
-        decode_block_tables=tables_d.view(len(decode_tables), width),
+        num_decode_tokens=num_decode_rows,
+        decode_block_tables=tables_d.view(num_decode_rows, width),
         decode_context_lens=lens_d,
         prefills=prefills,
         block_size=bs,
