@@ -8,11 +8,12 @@ step of the embedded model on an H200 (`benchmarks/mtp_step_cost.py`), paid on e
 load where drafting does not pay. Here such a step only copies what the pass would read, pair
 p+1 = (target hidden at p, token sampled at p), into the slot of position p; the first pass
 over the sequence that needs the cache (drafts again, or a pass that takes its rows in) first
-runs the module over the pairs kept since (`refill`), all of the batch's in one pass.
+runs the module over the pairs kept since (`PairStore.refill_inputs`), the batch's sequences
+together.
 
-One pass takes at most a step's worth of rows (`split_gaps`: a long run without drafts is taken
-in over several passes, each sequence's earlier pairs first), so it never needs more memory than
-the largest step the KV sizing measured.
+One such pass takes at most a step's worth of rows (`split_gaps`: a long run without drafts is
+taken in over several passes, each sequence's earlier pairs first), so it never needs more
+memory than the largest step the KV sizing measured.
 
 A pair's token is the sampled one, clamped as `SampledTokens.fill` does (a row whose token is
 drawn again later keeps the first draw here, as the filled cache did: drafts, not outputs, can
@@ -70,7 +71,6 @@ class PairStore:
                                  decode_block_tables=tables_d.view(len(gaps), width).index_select(0, owner_d),
                                  decode_context_lens=positions_d + 1, prefills=[], block_size=block_size)
         return (self.tokens.index_select(0, sources_d), self.hidden.index_select(0, sources_d), positions_d, meta)
-
 
 
 def split_gaps(gaps: list[Gap], max_rows: int) -> list[list[Gap]]:

@@ -320,7 +320,7 @@ class ModelRunner:
                     chunks, self.sequences, hidden, positions, attn_metadata, sampled.sampled_token_ids, seq_ids,
                     starts, None if verified is None else verified.accepted, next_cap)
             else:
-                self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, positions, attn_metadata)
+                self.mtp.feed_in_flight(chunks, hidden, self._last_sampled, self.sequences, attn_metadata)
         elif self.token_history is not None and drafts_ahead and next_cap > 0:
             # The next step's n-gram drafts, from the context on the device (its newest token too).
             assert self._last_sampled is not None

@@ -65,13 +65,12 @@ class MTPStep:
         self._pending = (self.proposer.propose(work, hidden, max_drafts), [c.seq_id for c in chunks if c.sample])
 
     def feed_in_flight(self, chunks: list[ChunkInput], hidden: torch.Tensor, sampled: SampledTokens,
-                       sequences: dict[int, WorkerSequence], positions: torch.Tensor, meta: AttentionMetadata
-                       ) -> None:
+                       sequences: dict[int, WorkerSequence], meta: AttentionMetadata) -> None:
         """`feed` for a step without drafts whose successor launches before its tokens reach the
         host (asynchronous scheduling; the engine announces cap 0 for that successor): each
         sampled chunk's newest token is read from `sampled` on the device, and the step's
         hidden states are read now, before the next forward pass reuses their memory.
-        `positions` and `meta`: the step's own inputs on the device."""
+        `meta`: the step's own attention inputs on the device."""
         seq_ids = list(sampled.seq_ids)
         if not meta.prefills and self._next_slots_reserved(chunks, seq_ids):
             # A pure decode step: its pairs are kept by slot, taken in when the sequence next
