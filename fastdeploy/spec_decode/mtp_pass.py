@@ -28,10 +28,10 @@ from fastdeploy.model_executor.models.mtp import MTPHead
 class MTPPass:
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, kv_cache: torch.Tensor,
                  buffers: DecodeBuffers | None = None, decode: CudaGraphRunner | None = None,
-                 max_num_seqs: int = 0, num_drafts: int = 0) -> None:
+                 num_drafts: int = 0) -> None:
         """`buffers`: the graphs' fixed inputs (CUDA); None runs every pass eagerly. `decode`:
-        the target's captured decode steps, which `draft_after_decode` follows (when
-        `max_num_seqs` > 0) with up to `num_drafts` drafts."""
+        the target's captured decode steps, which `draft_after_decode` follows with up to
+        `num_drafts` drafts."""
         self.head = head
         self.target = target
         self.kv_cache = kv_cache
@@ -47,7 +47,7 @@ class MTPPass:
             self.fill_graphs = GraphRunner(self._graph_fill, capture_sizes(buffers.capacity), "MTP cache fill")
         # Per draft cap: the passes that draft for a step sent ahead, after a decode step replayed.
         self.draft_graphs: dict[int, GraphRunner[torch.Tensor]] = {}
-        if decode is not None and max_num_seqs > 0:
+        if decode is not None:
             device = decode.buffers.input_ids.device
             # The tokens a decode step sampled, copied here: the sampler's output moves per step.
             self.sampled_ids = torch.zeros(decode.buffers.capacity, dtype=torch.long, device=device)

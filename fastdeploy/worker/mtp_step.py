@@ -46,8 +46,7 @@ class MTPStep:
         self.pairs = PairStore((num_blocks + 1) * self.block_size, model_config.hidden_size, dtype, device)
         buffers = DecodeBuffers(shape.max_decode_rows, shape.max_blocks_per_seq, self.block_size, shape.pad_slot,
                                 device) if use_graphs else None
-        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers, decode_graphs, config.scheduler.max_num_seqs,
-                                spec.num_speculative_tokens)
+        self.mtp_pass = MTPPass(head, model, mtp_cache, buffers, decode_graphs, spec.num_speculative_tokens)
         self.mtp_pass.capture()
         self.proposer = MTPProposer(self.mtp_pass, spec.num_speculative_tokens, self.block_size,
                                     functools.partial(prepare_inputs, block_size=self.block_size, device=device))
