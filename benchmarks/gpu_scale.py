@@ -19,8 +19,10 @@ Figures (inner keys are batch sizes or client counts, as strings; ratios above 1
 - guided_over_unconstrained[B]: in process, greedy chat under a JSON schema, tok/s over the same
   prompts unconstrained on equal work (each unconstrained row decodes as many tokens as its
   constrained twin); the 7B shape with Qwen's tokenizer on CUDA; benchmarks/guided.py's `throughput`.
-- mtp_speedup[B], ngram_speedup[B]: in process, the embedded SmolLM2-135M copying a JSON record or
-  a code block (benchmarks/speculative.py's prompts), greedy, `--max-tokens` tokens (EOS ignored):
+- mtp_speedup[B], ngram_speedup[B]: in process, the embedded SmolLM2-135M repeating text it is given
+  (benchmarks/speculative.py's prompts of `--spec-prompts`: "long", a JSON array of four records,
+  whose answers run 220-330 tokens; "short", a JSON record or a code block, answers of 33-82
+  tokens, past which the model writes on after its end of turn), greedy, `--max-tokens` tokens (EOS ignored):
   tok/s with the shipped MTP head (2 drafts) or n-gram speculation (4 drafts) over tok/s without;
   the median of per-round ratios (rounds rotate the engines' order).
 - mtp_server_speedup[C], ngram_server_speedup[C]: the same through `fastdeploy serve` (one server per
@@ -277,9 +279,10 @@ def part_spec(args: argparse.Namespace, out: PartOutput) -> None:
             "ngram": LLM(device=args.device, max_num_seqs=max_seqs, guided_decoding_backend="off",
                          num_kv_blocks=blocks, speculative_config=SPECS["ngram"])}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    out.details.update({"specs": SPECS, "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": []})
+    out.details.update({"specs": SPECS, "prompts": args.spec_prompts, "max_tokens": args.max_tokens,
+                        "rounds": args.rounds, "rows": []})
     for batch in args.spec_batches:
-        conversations = prompts(batch)
+        conversations = prompts(batch, args.spec_prompts)
         for llm in llms.values():  # warm-up at full length: every shape the timed runs reach
             timed(llm, conversations, params)
         stats0 = {n: _spec_counts(llms[n]) for n in SPECS}
@@ -384,13 +387,13 @@ def run_load(server: Server, bodies: list[dict], clients: int, timeout_s: float)
                 [r["choices"][0]["message"].get("content") or "" for r in replies], wall, time.process_time() - cpu0)
 
 
-def copy_bodies(n: int, max_tokens: int) -> list[dict]:
-    """benchmarks/speculative.py's prompts (rewrite a JSON record or a code block exactly), greedy,
-    exactly `max_tokens` tokens each."""
+def copy_bodies(n: int, max_tokens: int, kind: str = "short") -> list[dict]:
+    """benchmarks/speculative.py's prompts of `kind` (repeat a JSON array, a record or a code block
+    exactly), greedy, exactly `max_tokens` tokens each."""
     from benchmarks.speculative import prompts
 
     return [{"messages": conversation, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-            for conversation in prompts(n)]
+            for conversation in prompts(n, kind)]
 
 
 def people_bodies(n: int, max_tokens: int) -> list[dict]:
@@ -592,12 +595,13 @@ def part_spec_server(run: Run, out: PartOutput) -> None:
                    for name, spec in SPECS.items()]
         run.start_servers(started)  # side by side: the flag-off server idles meanwhile
         run.spec = {s.name: s for s in started}
-    out.details.update({"specs": SPECS, "server_args": embedded_server_args(args), "max_tokens": args.max_tokens,
+    out.details.update({"specs": SPECS, "server_args": embedded_server_args(args), "prompts": args.spec_prompts,
+                        "max_tokens": args.max_tokens,
                         "requests_per_client": args.requests_per_client, "rounds": args.rounds, "rows": [],
                         "started_side_by_side_ready_s": {n: round(s.ready_s or 0.0, 2) for n, s in run.spec.items()}})
     servers = {"off": off, **run.spec}
     for clients in args.clients:
-        bodies = copy_bodies(clients * args.requests_per_client, args.max_tokens)
+        bodies = copy_bodies(clients * args.requests_per_client, args.max_tokens, args.spec_prompts)
         for server in servers.values():  # warm-up: the run's shape once, at full length
             run_load(server, bodies[:clients], clients, run.timeout(args.load_timeout))
         loads: dict[str, list[Load]] = {n: [] for n in servers}
@@ -919,6 +923,8 @@ def parse_args() -> argparse.Namespace:
                    help="in-process guided model (default: the 7B shape with Qwen's tokenizer on CUDA, the "
                         "embedded model on the CPU)")
     p.add_argument("--spec-batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--spec-prompts", choices=("long", "short"), default="long",
+                   help="the speculation parts' copying requests (benchmarks/speculative.py's prompts)")
     p.add_argument("--mask-clients", type=int, default=64)
     p.add_argument("--mask-requests-per-client", type=int, default=2)
     p.add_argument("--mask-rounds", type=int, default=3)

@@ -30,6 +30,8 @@ from fastdeploy import LLM, SamplingParams  # noqa: E402
 NAMES = ["Alice Smith", "Bob Jones", "Chen Wei", "Dana Kaur", "Emil Novak", "Fatima Zahra", "Goran Ilic",
          "Hana Sato"]
 CITIES = ["Paris", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Riga", "Seoul"]
+PROMPT_KINDS = ("short", "long")
+LONG_RECORDS = 4  # records in a "long" prompt's array
 
 
 def _record(i: int) -> str:
@@ -41,6 +43,10 @@ def _record(i: int) -> str:
     })
 
 
+def _records(i: int, count: int) -> str:
+    return json.dumps([json.loads(_record(i + j)) for j in range(count)])
+
+
 def _code(i: int) -> str:
     return (f"def scale_{i}(values, factor={i + 2}):\n    result = []\n    for value in values:\n"
             f"        result.append(value * factor)\n    return result\n\n\n"
@@ -48,10 +54,18 @@ def _code(i: int) -> str:
             f"    return total\n")
 
 
-def prompts(n: int) -> list[list[dict]]:
+def prompts(n: int, kind: str = "short") -> list[list[dict]]:
+    """`n` copying requests. "short": a JSON record or a code block to repeat (greedy answers of
+    33-82 tokens on the embedded model; past them, with EOS ignored, it writes text nothing in
+    the prompt predicts). "long": a JSON array of four records to repeat (answers of 220-330
+    tokens, so a 256-token measurement is nearly all copying)."""
+    if kind not in PROMPT_KINDS:
+        raise ValueError(f"prompt kind {kind!r}: one of {', '.join(PROMPT_KINDS)}")
     out = []
     for i in range(n):
-        if i % 2 == 0:
+        if kind == "long":
+            text = f"Repeat this JSON exactly, with no comment:\n{_records(i, LONG_RECORDS)}"
+        elif i % 2 == 0:
             text = f"Repeat this JSON exactly, with no comment:\n{_record(i)}"
         else:
             text = f"Rewrite this Python code exactly as it is:\n```python\n{_code(i)}```"
