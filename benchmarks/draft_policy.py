@@ -2,7 +2,7 @@
 engine held without drafts (its floor) and the engine without speculation.
 
     python benchmarks/draft_policy.py [--device cuda] [--batches 16 64] [--methods ngram mtp]
-                                      [--variants untold held0 fixed fixed_in_turn] [--log-steps]
+                                      [--variants untold held0 fixed fixed_in_turn] [--log-steps] [--prompts short|long]
                                       [--max-tokens 256] [--rounds 5] [--name draft_policy]
                                       [--model PATH --load-format dummy --tokenizer DIR]
 
@@ -112,7 +112,7 @@ def step_counts(llm: LLM) -> dict[str, int]:
 
 def run_batch(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     llms = engines(args, batch)
-    conversations = prompts(batch)
+    conversations = prompts(batch, args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in llms.values():  # warm-up at full length
         timed(llm, conversations, params)
@@ -171,6 +171,8 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", choices=["untold", "held0", "fixed", "fixed_in_turn"],
                    default=["untold", "held0"], help="engines beside off and the policy as it is (see above)")
     p.add_argument("--log-steps", action="store_true", help="keep every step the policies observe in the rows")
+    p.add_argument("--prompts", choices=("short", "long"), default="short",
+                   help="speculative.py's copying requests: a record or code block, or a four-record array")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default=None, help="default: the embedded model")
