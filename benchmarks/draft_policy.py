@@ -49,7 +49,6 @@ def untold(policy: DraftPolicy) -> None:
 
     def observe_untold(*args: Any, **kwargs: Any) -> None:
         kwargs.pop("drafted_next", None)
-        kwargs.pop("drafts_launched", None)
         observe(*args, **kwargs)
 
     policy.observe = observe_untold  # type: ignore[method-assign]
@@ -79,17 +78,15 @@ def engines(args: argparse.Namespace, batch: int) -> dict[str, LLM]:
 
 def log_steps(llm: LLM) -> list[list[float]]:
     """Every step the engine's policy observes from now on: [rows, cap, tokens, ms, sent ahead,
-    the next step takes drafts, the step sent while it ran drafts for its successor]."""
+    the next step takes drafts]."""
     policy = llm.engine.draft_policy
     observe = policy.observe
     log: list[list[float]] = []
 
     def logged(num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
-               drafted_next: bool = False, drafts_launched: bool = False) -> None:
-        log.append([num_rows, cap, num_tokens, round(seconds * 1e3, 3), int(sent_ahead), int(drafted_next),
-                    int(drafts_launched)])
-        observe(num_rows, cap, num_tokens, seconds, sent_ahead, drafted_next=drafted_next,
-                drafts_launched=drafts_launched)
+               drafted_next: bool = False) -> None:
+        log.append([num_rows, cap, num_tokens, round(seconds * 1e3, 3), int(sent_ahead), int(drafted_next)])
+        observe(num_rows, cap, num_tokens, seconds, sent_ahead, drafted_next=drafted_next)
 
     policy.observe = logged  # type: ignore[method-assign]
     return log

@@ -220,14 +220,10 @@ class EngineCore:
         if self.draft_policy is not None and current.draft_cap is not None and pure_decode:
             # A step sent ahead was scheduled while the one before it ran: its share of the
             # time starts where that one's frame was read.
-            # The step sent while this one ran (`_in_flight`, when this one was followed) had its
-            # launch timed here; where it drafts for its successor, that drafting was too.
-            launched = self._in_flight if current.followed else None
             self.draft_policy.observe(current.num_rows, current.draft_cap,
                                       sum(len(delta.token_ids) for _, delta in applied.results),
                                       now - max(current.started, self._last_frame_at), current.ahead,
-                                      drafted_next=current.next_cap > 0,
-                                      drafts_launched=launched is not None and launched.next_cap > 0)
+                                      drafted_next=current.next_cap > 0)
         self._last_frame_at = now
         for seq, delta in applied.results:
             if delta.finish_reason is not None:

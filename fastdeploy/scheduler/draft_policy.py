@@ -22,10 +22,8 @@ the steps sent ahead (the in-turn ones are kept apart), and trying a drafting ca
 the best also pays for the in-turn step it forces (under tensor parallelism; on one GPU the
 worker drafts on the device and steps with drafts go ahead too, so no step goes in turn to count).
 A step's time is measured from the frame before it to its own, so it holds the launch of the
-step sent after it: the last step of a run without drafts holds a verify step's launch, and the
-one before it the launch of the step that drafts for that verify step (the MTP module taking in
-the pairs the run kept, then its passes; an n-gram lookup). Both are charged to that verify
-step instead (`observe`).
+step sent after it; the last step of a run without drafts thus holds a verify step's launch and
+the drafting for it, which are charged to that verify step instead (`observe`).
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ class FixedDraftCap:
         return self.num_speculative_tokens
 
     def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
-                drafted_next: bool = False, drafts_launched: bool = False) -> None:
+                drafted_next: bool = False) -> None:
         """Nothing is measured: the cap does not change."""
 
     def describe(self) -> str:
@@ -201,11 +199,10 @@ class DraftPolicy:
         return k if due >= 0 else best_cap
 
     def observe(self, num_rows: int, cap: int, num_tokens: int, seconds: float, sent_ahead: bool = False,
-                drafted_next: bool = False, drafts_launched: bool = False) -> None:
+                drafted_next: bool = False) -> None:
         """A pure-decode step of `num_rows` sequences under `cap` produced `num_tokens` in `seconds`;
         `sent_ahead`: it was sent while the step before it ran; `drafted_next`: the step after
-        it takes drafts; `drafts_launched`: the step sent while this one ran drafts for the step
-        after it."""
+        it takes drafts."""
         if seconds <= 0 or num_rows <= 0:
             return
         key = _class_key(num_rows)
@@ -219,25 +216,21 @@ class DraftPolicy:
         group.steps += 1
         arm.last_step = group.steps
         switched, group.last_cap = cap == 0 and group.last_cap > 0, cap
-        follows_carrier = carried_class == key and carried_at == self._observed - 1
-        if cap == 0 and (drafted_next or drafts_launched):
+        if cap == 0 and drafted_next:
             # A step's time runs from the frame before it to its own, so it holds the launch of
-            # the step sent after it: a verify step's (the drafts placed, a sampling row per
-            # draft slot) where the next step takes drafts, or that of the step drafting for a
-            # verify step (the MTP module taking in the pairs kept since its last pass, then its
-            # passes; an n-gram lookup). What that took beyond cap 0's usual step is charged to
-            # the verify step, whose cap pays it in every step when chosen. Left here, it made
-            # the runs without drafts look dearer than they are when chosen (about 2.3x a step
-            # at 64 sequences: the last of each run of four took 5.8 ms against 2.0; since the
-            # MTP module keeps pairs, the one before it 1.4-1.5x at 16).
-            if drafted_next:
-                _add(group.zero_before_drafts, num_rows, num_tokens, seconds)
+            # the step sent after it: here a verify step's (the drafts placed, a sampling row per
+            # draft slot), and the drafting for it (an n-gram lookup, the MTP module's passes).
+            # What that took beyond cap 0's usual step is charged to the verify step, whose cap
+            # pays it in every step when chosen. Left here, it made the runs without drafts look
+            # dearer than they are when chosen (about 2.3x a step at 64 sequences: the last of
+            # each run of four took 5.8 ms against 2.0).
+            _add(group.zero_before_drafts, num_rows, num_tokens, seconds)
             usual = arm.step_seconds if arm.weight > 0 else seconds
             extra = max(0.0, seconds - usual)
             seconds -= extra
-            self._carried = (key, self._observed, extra + (carried_s if follows_carrier else 0.0))
-        elif cap > 0 and follows_carrier:
-            # The verify step they launched, observed next in the same class (a step in between
+            self._carried = (key, self._observed, extra)
+        elif cap > 0 and carried_class == key and carried_at == self._observed - 1:
+            # The verify step it launched, observed next in the same class (a step in between
             # that was not observed, or a change of class, drops the charge: it is not known
             # to be this step's).
             seconds += carried_s
