@@ -29,6 +29,9 @@ class ChunkInput(msgspec.Struct, array_like=True):
     block_ids: list[int]  # the sequence's whole block table
     sample: bool  # whether this chunk ends at the sequence's last known token
     num_lookahead: int = 0  # speculative decoding: KV slots reserved for up to this many drafts
+    # The positions before `start` came from the prefix cache (the sequence's first chunk since
+    # admission): the MTP module's first pair takes the stored hidden state of position start - 1.
+    after_cache_hit: bool = False
 
 
 class GrammarRequest(msgspec.Struct, array_like=True):

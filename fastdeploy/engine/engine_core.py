@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable
 
@@ -38,8 +37,6 @@ from fastdeploy.scheduler.prefix_hash import root_hash
 from fastdeploy.scheduler.scheduler import Scheduler, SchedulerStep
 from fastdeploy.scheduler.sequence import Sequence
 from fastdeploy.worker.step_output import StepOutput
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -73,11 +70,6 @@ class EngineCore:
         self.max_model_len = min(config.scheduler.max_model_len, info.max_position_embeddings)
         spec = config.speculative
         caching = config.cache.enable_prefix_caching
-        if caching and spec is not None and spec.method == "mtp":
-            # The MTP head keeps K/V of its own in the same blocks, written from the target's
-            # hidden states, which a cached prefix never computes: no sharing with MTP.
-            logger.info("prefix caching is off: MTP speculative decoding keeps its own K/V per block")
-            caching = False
         self._pipelining = pipelines_steps(config)
         # The worker drafts on the device after a step sent with a successor (MTP's module, or
         # n-gram lookup in the context it keeps there), which takes the drafts there: steps with
@@ -96,7 +88,8 @@ class EngineCore:
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
                                    num_draft_model_slots=beyond,
-                                   prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)))
+                                   prefix_root=root_hash(str(config.model), resolve_dtype(config.dtype, config.device)),
+                                   draft_model_cache=spec is not None and spec.method == "mtp")
         self.spec_stats = SpecDecodeStats()
         self.draft_policy: DraftPolicy | FixedDraftCap | None = None
         if spec is not None:
@@ -265,7 +258,7 @@ class EngineCore:
                                                  seq.return_sampling_mask, seq.sampling_mask_bitmap))
             end = chunk.start + chunk.num_tokens
             chunks.append(ChunkInput(seq.seq_id, seq.token_slice(chunk.start, end), chunk.start,
-                                     list(seq.block_ids), chunk.samples, chunk.num_lookahead))
+                                     list(seq.block_ids), chunk.samples, chunk.num_lookahead, chunk.after_cache_hit))
         if not ahead and not chunks and not self._grammar_requests and not self.waiting_for_grammar:
             return None
         next_cap = -1

@@ -25,6 +25,8 @@ class ScheduledChunk:
     samples: bool
     # Speculative decoding: KV slots reserved after the chunk for up to this many draft tokens.
     num_lookahead: int = 0
+    # The positions before `start` came from the prefix cache at admission (the first chunk then).
+    after_cache_hit: bool = False
 
 
 def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
@@ -42,8 +44,11 @@ class SchedulerStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
-                 num_draft_model_slots: int = 0, prefix_root: bytes = b"") -> None:
+                 num_draft_model_slots: int = 0, prefix_root: bytes = b"", draft_model_cache: bool = False) -> None:
+        """`draft_model_cache`: a draft model keeps K/V of its own in the blocks (MTP), which the
+        prefix cache then holds too (see `register_computed_blocks` and the admission)."""
         self.config = config
+        self.draft_model_cache = draft_model_cache
         self.block_manager = block_manager
         self.prefix_root = prefix_root  # the start of every prefix hash chain (model, dtype)
         self.num_lookahead_slots = num_lookahead_slots  # draft tokens per decode step (speculative decoding)
@@ -143,7 +148,11 @@ class Scheduler:
             if caching:
                 self._hash_full_blocks(seq)
                 # At least the last known token is computed: it gives the logits to sample from.
-                hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_manager.block_size]
+                # With a draft model's cache, two: the first chunk after a hit is then a prefill
+                # chunk, whose first row the draft model takes in from the cached prefix's last
+                # hidden state (a one-token chunk would go its decode rows' ways).
+                computed = 2 if self.draft_model_cache else 1
+                hashes = seq.block_hashes[:max(0, seq.num_tokens - computed) // self.block_manager.block_size]
                 cached = self.block_manager.cached_blocks(hashes)
                 if _shared_in_flight(hashes, len(cached), computing) * self.block_manager.block_size \
                         >= MIN_SHARED_TOKENS_TO_WAIT:
@@ -167,6 +176,7 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             self.block_manager.grow(seq.block_ids, seq.num_computed_tokens + num)
             chunk = _chunk(seq, num)
+            chunk.after_cache_hit = bool(cached)
             if chunk.samples:
                 self._reserve_lookahead(seq, seq.num_computed_tokens + num, 0)
             (decodes if num == 1 and chunk.samples else prefills).append(chunk)
@@ -228,8 +238,13 @@ class Scheduler:
                 self.register_computed_blocks(chunk.seq)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
-        """Put the sequence's full blocks whose K/V is all computed into the prefix cache."""
+        """Put the sequence's full blocks whose K/V is all computed into the prefix cache. With a
+        draft model's cache, only blocks of the prompt: their draft-model K/V and the hidden state
+        of their last position are written as the prompt is computed, while output blocks hold
+        what steps without drafts kept aside and verify steps' rejected rows."""
         full = min(seq.num_computed_tokens // self.block_manager.block_size, len(seq.block_ids))
+        if self.draft_model_cache:
+            full = min(full, len(seq.prompt_token_ids) // self.block_manager.block_size)
         if full <= seq.num_registered_blocks:
             return
         self._hash_full_blocks(seq)

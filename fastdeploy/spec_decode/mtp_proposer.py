@@ -44,6 +44,10 @@ class MTPWork:
     draft: bool  # the last pair is the sequence's newest token: draft after it
     # The last pair's token is still on the device (its entry in `tokens` is a placeholder).
     in_flight: bool = False
+    # >= 0: the first pair's hidden state is the one kept at this KV slot (`PairStore.hidden`),
+    # not a row of the step's (a chunk after a prefix-cache hit: the position before it was not
+    # computed in this step).
+    stored_hidden_slot: int = -1
 
 
 @dataclass
@@ -80,12 +84,14 @@ class MTPProposer:
         self.prepare_inputs = prepare_inputs
 
     def propose(self, work: list[MTPWork], step_hidden: torch.Tensor, max_drafts: int | None = None,
-                fill_in_flight: FillInFlight | None = None) -> PendingDrafts:
+                fill_in_flight: FillInFlight | None = None, stored_hidden: torch.Tensor | None = None
+                ) -> PendingDrafts:
         """Queue the MTP passes that take in `work` and draft up to k tokens per drafting sequence
         (k: `max_drafts` where given, at most the configured number). The first pass runs even
         for k = 0: it brings the module's K/V up to the accepted tokens, which later drafts need;
         for k = 0 it drafts nothing (`MTPPass.fill`). `fill_in_flight`: where work `in_flight`
-        reads its last token."""
+        reads its last token; `stored_hidden`: the hidden states kept per KV slot, which work with
+        a `stored_hidden_slot` reads its first pair's from."""
         device = step_hidden.device
         k = self.num_speculative_tokens
         work = [w for w in work if w.tokens]
@@ -99,7 +105,10 @@ class MTPProposer:
         input_ids, positions, meta, _ = self.prepare_inputs(chunks, as_rows)
         drafting, draft_rows, row = [], [], 0
         in_flight: list[tuple[int, int]] = []  # (input row, seq_id)
+        stored: list[tuple[int, int]] = []  # (input row, KV slot of its kept hidden state)
         for w in work:
+            if w.stored_hidden_slot >= 0:
+                stored.append((row, w.stored_hidden_slot))
             row += len(w.tokens)
             if w.draft:
                 drafting.append(w)
@@ -112,6 +121,10 @@ class MTPProposer:
         hidden_rows_d, draft_rows_d = upload_int64([[r for w in work for r in w.hidden_rows], draft_rows], device)
         prev = step_hidden.index_select(0, hidden_rows_d.clamp(min=0))
         prev = torch.where((hidden_rows_d >= 0).unsqueeze(1), prev, 0)
+        if stored:
+            assert stored_hidden is not None, "work reads kept hidden states that nothing gives"
+            rows_d, slots_d = upload_int64([[r for r, _ in stored], [slot for _, slot in stored]], device)
+            prev.index_copy_(0, rows_d, stored_hidden.index_select(0, slots_d))
         if max_drafts == 0:
             self.mtp_pass.fill(input_ids, prev, positions, meta)
             return NO_DRAFTS

@@ -59,9 +59,11 @@ class MTPStep:
         """Feed the MTP module this step's new (hidden j-1, token j) pairs; keep its drafts (at most
         `max_drafts`, where given) for the next step."""
         self._take_in_kept(chunks, sequences)
+        self._keep_prompt_block_ends(chunks, hidden, sequences)
         work = self._work(chunks, accepted, drafts, sequences, in_flight=False)
         # Read back when the next step needs them: meanwhile the GPU runs the passes.
-        self._pending = (self.proposer.propose(work, hidden, max_drafts), [c.seq_id for c in chunks if c.sample])
+        pending = self.proposer.propose(work, hidden, max_drafts, stored_hidden=self.pairs.hidden)
+        self._pending = (pending, [c.seq_id for c in chunks if c.sample])
 
     def feed_in_flight(self, chunks: list[ChunkInput], hidden: torch.Tensor, sampled: SampledTokens,
                        sequences: dict[int, WorkerSequence], meta: AttentionMetadata) -> None:
@@ -81,8 +83,10 @@ class MTPStep:
                     state.mtp_gap += 1
         else:
             self._take_in_kept(chunks, sequences)
+            self._keep_prompt_block_ends(chunks, hidden, sequences)
             work = self._work(chunks, dict.fromkeys(seq_ids, 1), {}, sequences, in_flight=True)
-            self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device))
+            self.proposer.propose(work, hidden, 0, functools.partial(sampled.fill, device=hidden.device),
+                                  stored_hidden=self.pairs.hidden)
         self._pending = (NO_DRAFTS, seq_ids)
 
     def draft_in_flight(self, chunks: list[ChunkInput], sequences: dict[int, WorkerSequence], hidden: torch.Tensor,
@@ -135,6 +139,27 @@ class MTPStep:
                                                                             self.pairs.hidden.device)
             self.mtp_pass.fill(tokens, prev_hidden, positions, meta)
 
+    def _keep_prompt_block_ends(self, chunks: list[ChunkInput], hidden: torch.Tensor,
+                                sequences: dict[int, WorkerSequence]) -> None:
+        """Keep the target's hidden state at the last position of every prompt block the step
+        computed, at that position's KV slot: a later sequence whose prompt starts with the
+        block takes it from the prefix cache, and its first pair after the cached prefix is
+        (that hidden state, its own next token). The engine caches prompt blocks only with MTP."""
+        bs = self.block_size
+        rows, slots = [], []
+        offset = 0  # flat index of the chunk's first token in `hidden`, as in `_work`
+        for chunk in chunks:
+            state = sequences.get(chunk.seq_id)
+            if state is not None:
+                end = min(chunk.start + len(chunk.token_ids), len(state.prompt_token_ids))
+                for p in range((chunk.start // bs + 1) * bs - 1, end, bs):
+                    rows.append(offset + p - chunk.start)
+                    slots.append(chunk.block_ids[p // bs] * bs + p % bs)
+            offset += len(chunk.token_ids)
+        if rows:
+            rows_d, slots_d = upload_int64([rows, slots], hidden.device)
+            self.pairs.hidden.index_copy_(0, slots_d, hidden.index_select(0, rows_d))
+
     def _next_slots_reserved(self, chunks: list[ChunkInput], seq_ids: list[int]) -> bool:
         """Whether the step is one token per sampled row, in the sampler's row order (`seq_ids`),
         and every row's next position has a reserved cache slot."""
@@ -158,7 +183,15 @@ class MTPStep:
             valid = n - len(drafts.get(chunk.seq_id, ())) - 1 + accepted.get(chunk.seq_id, 0) if chunk.sample else n
             if valid > 0:
                 state = sequences[chunk.seq_id]
-                first = 0 if start == 0 else start + 1
+                # The pair at `start` came with the step before, which computed position start - 1,
+                # unless the prefix cache gave the positions before it: then its hidden state is
+                # the one kept for the cached prefix's last position.
+                first = 0 if start == 0 else start if chunk.after_cache_hit else start + 1
+                stored_slot = -1
+                if chunk.after_cache_hit and start > 0:
+                    before = start - 1
+                    stored_slot = chunk.block_ids[before // self.block_size] * self.block_size \
+                        + before % self.block_size
                 newest = start + valid
                 last = min(newest, len(chunk.block_ids) * self.block_size - 1)  # only reserved slots
                 newest_pair = chunk.sample and last == newest
@@ -166,8 +199,10 @@ class MTPStep:
                 tokens = (state.token_range(first, last) + [0] if on_device  # the placeholder is read on the device
                           else state.token_range(first, last + 1))
                 hidden_rows = [-1 if j == 0 else offset + j - 1 - start for j in range(first, last + 1)]
+                if stored_slot >= 0:
+                    hidden_rows[0] = -1  # read from the kept hidden states instead
                 work.append(MTPWork(chunk.seq_id, first, tokens, hidden_rows, chunk.block_ids, newest_pair,
-                                    on_device))
+                                    on_device, stored_slot))
             offset += n
         return work
 

@@ -62,3 +62,21 @@ def test_shared_prefix_rows_with_ngram_drafts_give_the_uncached_results(model_di
     cached, hits, _ = _run(_config(model_dir, True, ngram), _waves(False))
     assert hits > 0
     _assert_same(cached, plain)
+
+
+def test_shared_prefix_rows_with_mtp_drafts_give_the_uncached_results(model_dir, tmp_path_factory):
+    """MTP's blocks hold the head's own K/V too: with the cache (prompt blocks only, the first pair
+    after a hit from the kept hidden state), on the device's graphs and drafting paths, every
+    result is the uncached engine's."""
+    from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config, save_mtp_head
+    from fastdeploy.worker.model_runner import ModelRunner
+
+    torch.manual_seed(7)
+    head_dir = str(tmp_path_factory.mktemp("mtp_sharing"))
+    save_mtp_head(MTPHead(mtp_config(ModelRunner(_config(model_dir, False)).model_config)), head_dir,
+                  dtype=torch.float32)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "model": head_dir}
+    plain, _, _ = _run(_config(model_dir, False, mtp), _waves(False))
+    cached, hits, _ = _run(_config(model_dir, True, mtp), _waves(False))
+    assert hits > 0
+    _assert_same(cached, plain)

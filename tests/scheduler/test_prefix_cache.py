@@ -211,6 +211,57 @@ def test_caching_with_preemption_and_chunked_prefill_changes_no_result(model_dir
     _assert_same(cached, plain)
 
 
+def test_with_a_draft_models_cache_only_prompt_blocks_are_cached_and_two_tokens_computed():
+    """MTP keeps K/V of its own in the blocks: the cache takes prompt blocks only (their MTP K/V
+    and last hidden states are written as the prompt is computed), a hit leaves at least two
+    tokens to compute (a prefill chunk, never a one-token decode row) and marks the first chunk."""
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(8, 256, 64), bm, draft_model_cache=True)
+    first = Sequence(0, "a", list(range(1, 11)), SamplingParams())  # 2.5 blocks of prompt
+    sched.add(first)
+    step = sched.schedule()
+    assert not step.chunks[0].after_cache_hit
+    sched.on_step_done(step)
+    first.output_token_ids += [90, 91, 92, 93, 94, 95]  # blocks 3 and 4 hold output
+    first.num_computed_tokens = 16
+    sched.register_computed_blocks(first)
+    assert first.num_registered_blocks == 2  # the prompt's full blocks only
+    sched.finish(first)
+    whole = Sequence(1, "b", list(range(1, 9)), SamplingParams())  # exactly the two cached blocks
+    longer = Sequence(2, "c", list(range(1, 11)) + [90, 91], SamplingParams())
+    sched.add(whole)
+    sched.add(longer)
+    step = sched.schedule()
+    starts = {c.seq.request_id: (c.start, c.num_tokens, c.after_cache_hit) for c in step.chunks}
+    # "b": 8 tokens, so only the first block (the last two tokens computed); "c": both blocks.
+    assert starts == {"b": (4, 4, True), "c": (8, 4, True)}
+
+
+def test_caching_with_mtp_speculation_changes_no_result(model_dir, tmp_path_factory):
+    """MTP (a random head: drafts rarely hold, which verification makes no matter) with the
+    prefix cache, a pool small enough to preempt and a token budget that chunks prefills: the
+    results are those of the uncached run, and the cache was hit."""
+    import torch
+
+    from fastdeploy.model_executor.models.mtp import MTPHead, mtp_config, save_mtp_head
+    from fastdeploy.worker.model_runner import ModelRunner
+
+    torch.manual_seed(7)
+    head_dir = str(tmp_path_factory.mktemp("mtp_prefix"))
+    model_config = ModelRunner(_config(model_dir, False, 256)).model_config
+    save_mtp_head(MTPHead(mtp_config(model_config)), head_dir, dtype=torch.float32)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "model": head_dir}
+    greedy = [[(w_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2))
+               for w_id, prompt, _ in wave] for wave in _waves()]
+    plain, _, _ = _run(_config(model_dir, False, 256, mtp), greedy)
+    cached, hits, _ = _run(_config(model_dir, True, 256, mtp), greedy)
+    assert hits > 0
+    _assert_same(cached, plain)
+    squeezed, hits, preemptions = _run(_config(model_dir, True, 24, mtp, budget=12), greedy)
+    assert hits > 0 and preemptions > 0
+    _assert_same(squeezed, plain)
+
+
 def test_caching_with_ngram_speculation_changes_no_result(model_dir):
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     greedy = [[(w_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2))

@@ -187,8 +187,8 @@ def test_mtp_drafts_no_more_than_the_announced_cap(base, tmp_path_factory, monke
     drafted: list[int] = []
     propose = MTPProposer.propose
 
-    def counting(self, work, step_hidden, max_drafts=None):
-        pending = propose(self, work, step_hidden, max_drafts)
+    def counting(self, work, step_hidden, max_drafts=None, fill_in_flight=None, stored_hidden=None):
+        pending = propose(self, work, step_hidden, max_drafts, fill_in_flight, stored_hidden)
         drafted.append(len(pending.seq_ids))  # passes that drafted
         return pending
 
@@ -200,3 +200,51 @@ def test_mtp_drafts_no_more_than_the_announced_cap(base, tmp_path_factory, monke
     assert got[0].outputs[0].token_ids == base.chat(prompts, params)[0].outputs[0].token_ids
     assert drafted and max(drafted) == cap
     assert (spec.engine.spec_stats.num_draft_tokens > 0) == (cap > 0)
+
+
+@pytest.mark.parametrize("keep_hidden", [True, False])
+def test_mtp_drafts_after_a_prefix_cache_hit_are_those_computed_from_scratch(base, monkeypatch, keep_hidden):
+    """A second prompt that starts with the first one's 70 tokens takes four blocks from the
+    prefix cache: the MTP module reads their K/V of its own, and its first pair after them takes
+    the target's hidden state kept for the cached prefix's last position. Its drafts (in turn, so
+    each reaches the host) are those of the same prompt on an engine without the cache. Without
+    that kept hidden state (`keep_hidden=False`: patched out) they are not: what the test checks
+    shows in the drafts."""
+    from fastdeploy.spec_decode.mtp_proposer import MTPProposer
+    from fastdeploy.worker.mtp_step import MTPStep
+
+    drafts: list[tuple[int, int, list[int]]] = []  # (seq_id, newest position, drafts)
+    propose = MTPProposer.propose
+
+    def recording(self, work, step_hidden, max_drafts=None, fill_in_flight=None, stored_hidden=None):
+        pending = propose(self, work, step_hidden, max_drafts, fill_in_flight, stored_hidden)
+        made = pending.resolve() if pending.seq_ids else {}
+        drafts.extend((w.seq_id, w.start + len(w.tokens) - 1, made[w.seq_id]) for w in work if w.seq_id in made)
+        return pending
+
+    monkeypatch.setattr(MTPProposer, "propose", recording)
+    if not keep_hidden:
+        monkeypatch.setattr(MTPStep, "_keep_prompt_block_ends", lambda self, chunks, hidden, sequences: None)
+    tokenizer = base.tokenizer
+    shared = tokenizer.encode("Repeat this list exactly: " + ", ".join(f"item {i} is {i * i}" for i in range(30)))[:70]
+    first, second = shared + [100, 200, 300, 400, 500], shared + [900, 800, 700, 600]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+
+    def second_run(caching: bool) -> tuple[list[int], list[tuple[int, list[int]]], int]:
+        llm = LLM(max_num_seqs=4, speculative_config=spec, enable_prefix_caching=caching, async_scheduling="off")
+        try:
+            if caching:
+                llm.generate([{"prompt_token_ids": first}], params)
+            drafts.clear()
+            out = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0].token_ids
+            last = max(seq_id for seq_id, _, _ in drafts)  # a finished step's drafting may come late
+            return out, [(at, d) for seq_id, at, d in drafts if seq_id == last], llm.engine.block_manager.hit_tokens
+        finally:
+            llm.engine.shutdown()
+
+    cached_out, cached_drafts, hits = second_run(True)
+    plain_out, plain_drafts, _ = second_run(False)
+    assert hits == 64 and len(plain_drafts) >= 8
+    assert cached_out == plain_out == base.generate([{"prompt_token_ids": second}], params)[0].outputs[0].token_ids
+    assert (cached_drafts == plain_drafts) == keep_hidden
