@@ -184,6 +184,12 @@ def _waves() -> list[list[tuple[str, list[int], SamplingParams]]]:
     return [first, second]
 
 
+def _greedy_waves() -> list[list[tuple[str, list[int], SamplingParams]]]:
+    """`_waves`' requests, greedy with logprobs: speculation's results are then exact."""
+    return [[(w_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2))
+             for w_id, prompt, _ in wave] for wave in _waves()]
+
+
 def _assert_same(cached: dict, plain: dict) -> None:
     assert cached.keys() == plain.keys()
     for request_id, (tokens, logprobs, masks, logz) in plain.items():
@@ -251,8 +257,7 @@ def test_caching_with_mtp_speculation_changes_no_result(model_dir, tmp_path_fact
     model_config = ModelRunner(_config(model_dir, False, 256)).model_config
     save_mtp_head(MTPHead(mtp_config(model_config)), head_dir, dtype=torch.float32)
     mtp = {"method": "mtp", "num_speculative_tokens": 2, "model": head_dir}
-    greedy = [[(w_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2))
-               for w_id, prompt, _ in wave] for wave in _waves()]
+    greedy = _greedy_waves()
     plain, _, _ = _run(_config(model_dir, False, 256, mtp), greedy)
     cached, hits, _ = _run(_config(model_dir, True, 256, mtp), greedy)
     assert hits > 0
@@ -264,8 +269,7 @@ def test_caching_with_mtp_speculation_changes_no_result(model_dir, tmp_path_fact
 
 def test_caching_with_ngram_speculation_changes_no_result(model_dir):
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    greedy = [[(w_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2))
-               for w_id, prompt, _ in wave] for wave in _waves()]
+    greedy = _greedy_waves()
     plain, _, _ = _run(_config(model_dir, False, 256, ngram), greedy)
     cached, hits, _ = _run(_config(model_dir, True, 256, ngram), greedy)
     assert hits > 0
