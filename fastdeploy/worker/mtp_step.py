@@ -37,6 +37,8 @@ class MTPStep:
         spec = config.speculative
         assert spec is not None and spec.method == "mtp"
         self.block_size = shape.block_size
+        # Prompt blocks' last hidden states are kept only for hits of the prefix cache.
+        self.keeps_prompt_block_ends = config.cache.enable_prefix_caching
         # The most rows one pass over kept pairs takes: the largest step the KV sizing measured
         # the activation peak of.
         self.max_refill_rows = config.scheduler.max_num_batched_tokens
@@ -145,20 +147,26 @@ class MTPStep:
         computed, at that position's KV slot: a later sequence whose prompt starts with the
         block takes it from the prefix cache, and its first pair after the cached prefix is
         (that hidden state, its own next token). The engine caches prompt blocks only with MTP."""
+        if not self.keeps_prompt_block_ends:
+            return
         bs = self.block_size
         rows, slots = [], []
         offset = 0  # flat index of the chunk's first token in `hidden`, as in `_work`
         for chunk in chunks:
             state = sequences.get(chunk.seq_id)
-            if state is not None:
+            if state is not None and chunk.start < len(state.prompt_token_ids):  # decode rows hold none
                 end = min(chunk.start + len(chunk.token_ids), len(state.prompt_token_ids))
                 for p in range((chunk.start // bs + 1) * bs - 1, end, bs):
                     rows.append(offset + p - chunk.start)
-                    slots.append(chunk.block_ids[p // bs] * bs + p % bs)
+                    slots.append(self._slot(chunk.block_ids, p))
             offset += len(chunk.token_ids)
         if rows:
             rows_d, slots_d = upload_int64([rows, slots], hidden.device)
             self.pairs.hidden.index_copy_(0, slots_d, hidden.index_select(0, rows_d))
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        """The KV slot of `position` in a sequence with the block table `block_ids`."""
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _next_slots_reserved(self, chunks: list[ChunkInput], seq_ids: list[int]) -> bool:
         """Whether the step is one token per sampled row, in the sampler's row order (`seq_ids`),
@@ -187,11 +195,7 @@ class MTPStep:
                 # unless the prefix cache gave the positions before it: then its hidden state is
                 # the one kept for the cached prefix's last position.
                 first = 0 if start == 0 else start if chunk.after_cache_hit else start + 1
-                stored_slot = -1
-                if chunk.after_cache_hit and start > 0:
-                    before = start - 1
-                    stored_slot = chunk.block_ids[before // self.block_size] * self.block_size \
-                        + before % self.block_size
+                stored_slot = self._slot(chunk.block_ids, start - 1) if chunk.after_cache_hit and start > 0 else -1
                 newest = start + valid
                 last = min(newest, len(chunk.block_ids) * self.block_size - 1)  # only reserved slots
                 newest_pair = chunk.sample and last == newest
