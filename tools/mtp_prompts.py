@@ -105,8 +105,140 @@ def _passage_text(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
+# Words the random payloads draw keys and values from: broad, so that the head learns to copy
+# whatever a prompt holds rather than the few keys of one generator.
+_WORDS = [
+    "account", "action", "address", "amount", "area", "author", "balance", "batch", "branch", "budget",
+    "cache", "category", "channel", "city", "client", "code", "color", "comment", "count", "country",
+    "created", "currency", "customer", "date", "deadline", "department", "description", "device", "discount",
+    "distance", "domain", "duration", "email", "enabled", "event", "expires", "file", "flag", "format",
+    "group", "height", "host", "id", "image", "index", "invoice", "item", "key", "label", "language",
+    "level", "limit", "link", "location", "manager", "message", "method", "mode", "model", "name", "note",
+    "number", "order", "owner", "page", "parent", "path", "payment", "phone", "plan", "port", "position",
+    "price", "priority", "project", "quantity", "rating", "reason", "region", "role", "score", "section",
+    "sender", "session", "size", "source", "stage", "state", "status", "street", "student", "subject",
+    "tag", "target", "team", "title", "token", "total", "type", "unit", "updated", "user", "value",
+    "vendor", "version", "weight", "width", "year", "zone",
+]
+_FIRST_NAMES = ["Ada", "Bruno", "Chen", "Dana", "Elif", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kemi",
+                "Luca", "Maya", "Nils", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera"]
+_LAST_NAMES = ["Alvarez", "Berg", "Costa", "Dubois", "Eriksen", "Fischer", "Garcia", "Haddad", "Ito",
+               "Jensen", "Kowalski", "Larsen", "Moreau", "Novak", "Okafor", "Petrov", "Rossi", "Silva"]
+_PLACES = ["Lisbon", "Osaka", "Nairobi", "Toronto", "Krakow", "Lima", "Austin", "Hanoi", "Oslo", "Cairo",
+           "Leeds", "Perth", "Bogota", "Munich", "Seoul", "Dakar"]
+
+
+def _identifier(rng: random.Random) -> str:
+    """A snake_case name of one or two words."""
+    return "_".join(rng.sample(_WORDS, rng.choice([1, 1, 2])))
+
+
+def _scalar(rng: random.Random, kind: str) -> str:
+    """One JSON value of `kind`, as text."""
+    first, last = rng.choice(_FIRST_NAMES), rng.choice(_LAST_NAMES)
+    values = {
+        "int": lambda: str(rng.randint(0, 10 ** rng.randint(1, 6))),
+        "float": lambda: f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}",
+        "bool": lambda: rng.choice(["true", "false"]),
+        "null": lambda: "null",
+        "word": lambda: f'"{rng.choice(_WORDS)}"',
+        "phrase": lambda: '"' + " ".join(rng.sample(_WORDS, rng.randint(2, 5))) + '"',
+        "name": lambda: f'"{first} {last}"',
+        "email": lambda: f'"{first.lower()}.{last.lower()}{rng.randint(1, 99)}@{rng.choice(_WORDS)}.org"',
+        "place": lambda: f'"{rng.choice(_PLACES)}"',
+        "date": lambda: f'"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"',
+        "url": lambda: f'"https://{rng.choice(_WORDS)}.example.com/{rng.choice(_WORDS)}/{rng.randint(1, 999)}"',
+        "phone": lambda: f'"+{rng.randint(1, 99)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"',
+        "hex": lambda: '"' + "".join(rng.choice("0123456789abcdef") for _ in range(rng.choice([8, 12, 16]))) + '"',
+        "code": lambda: f'"{rng.choice(_WORDS)[:3].upper()}-{rng.randint(10, 99999)}"',
+    }
+    return values[kind]()
+
+
+_SCALAR_KINDS = ["int", "float", "bool", "null", "word", "phrase", "name", "email", "place", "date", "url",
+                 "phone", "hex", "code"]
+
+
+def _schema(rng: random.Random, depth: int = 0) -> list[tuple[str, object]]:
+    """Keys with a value kind each: a scalar kind, a list of one, or (above depth 1) a nested schema."""
+    fields: list[tuple[str, object]] = []
+    for key in dict.fromkeys(_identifier(rng) for _ in range(rng.randint(2, 8 if depth == 0 else 4))):
+        roll = rng.random()
+        if roll < 0.12 and depth < 2:
+            fields.append((key, _schema(rng, depth + 1)))
+        elif roll < 0.22:
+            fields.append((key, ("list", rng.choice(_SCALAR_KINDS))))
+        else:
+            fields.append((key, rng.choice(_SCALAR_KINDS)))
+    return fields
+
+
+def _instance(rng: random.Random, schema: list[tuple[str, object]]) -> str:
+    parts = []
+    for key, kind in schema:
+        if isinstance(kind, list):
+            value = _instance(rng, kind)
+        elif isinstance(kind, tuple):
+            value = "[" + ", ".join(_scalar(rng, kind[1]) for _ in range(rng.randint(0, 4))) + "]"
+        else:
+            value = _scalar(rng, str(kind))
+        parts.append(f'"{key}": {value}')
+    return "{" + ", ".join(parts) + "}"
+
+
+def _payload_text(rng: random.Random) -> str:
+    """A JSON object or an array of 1-6 objects of one random schema (keys and value kinds drawn
+    from broad lists: names, emails, dates, URLs, ids, numbers, nested objects, lists)."""
+    schema = _schema(rng)
+    if rng.random() < 0.3:
+        return _instance(rng, schema)
+    return "[" + ", ".join(_instance(rng, schema) for _ in range(rng.randint(1, 6))) + "]"
+
+
+def _table_text(rng: random.Random) -> str:
+    """A CSV or Markdown table of random columns and 2-8 rows."""
+    schema = [(key, rng.choice(_SCALAR_KINDS)) for key in dict.fromkeys(_identifier(rng) for _ in range(3, 7))]
+    rows = [[_scalar(rng, kind).strip('"') for _, kind in schema] for _ in range(rng.randint(2, 8))]
+    header = [key for key, _ in schema]
+    if rng.random() < 0.5:
+        return "\n".join(",".join(cells) for cells in [header] + rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def _config_text(rng: random.Random) -> str:
+    """YAML-like settings: sections of `key: value` lines."""
+    lines = []
+    for _ in range(rng.randint(1, 3)):
+        lines.append(f"{_identifier(rng)}:")
+        lines += [f"  {key}: {_scalar(rng, rng.choice(_SCALAR_KINDS)).strip(chr(34))}"
+                  for key in dict.fromkeys(_identifier(rng) for _ in range(rng.randint(2, 6)))]
+    return "\n".join(lines)
+
+
+def _log_text(rng: random.Random) -> str:
+    """Log lines: timestamp, level, component and a message with values."""
+    level = ["INFO", "WARN", "ERROR", "DEBUG"]
+    return "\n".join(
+        f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:"
+        f"{rng.randint(0, 59):02d} {rng.choice(level)} {_identifier(rng)}: {' '.join(rng.sample(_WORDS, 3))} "
+        f"{_identifier(rng)}={_scalar(rng, rng.choice(['int', 'hex', 'code', 'float']))}"
+        for _ in range(rng.randint(2, 8)))
+
+
+def _js_text(rng: random.Random) -> str:
+    """A JavaScript function over random names."""
+    fn, arg, field = _identifier(rng), rng.choice(_WORDS), rng.choice(_WORDS)
+    camel = "".join(w.capitalize() if i else w for i, w in enumerate(fn.split("_")))
+    return (f"function {camel}({arg}s, limit = {rng.randint(1, 100)}) {{\n  const out = [];\n"
+            f"  for (const {arg} of {arg}s) {{\n    if ({arg}.{field} !== undefined && out.length < limit) {{\n"
+            f"      out.push({arg}.{field});\n    }}\n  }}\n  return out;\n}}\n")
+
+
 _COPY_SOURCES = [("JSON record", _record_text), ("JSON array", _records_text), ("Python code", _code_text),
-                 ("passage", _passage_text)]
+                 ("passage", _passage_text), ("JSON", _payload_text), ("JSON", _payload_text),
+                 ("JSON", _payload_text), ("table", _table_text), ("config", _config_text), ("log", _log_text),
+                 ("JavaScript code", _js_text)]
 
 
 def copy_prompts(count: int, seed: int) -> list[str]:
