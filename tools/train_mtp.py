@@ -62,14 +62,24 @@ class Sequence:
 
 
 def generate_sequences(llm: LLM, prompts: list[str], max_tokens: int, temperatures: list[float],
-                       seed: int) -> list[Sequence]:
-    """The target's own answers to every prompt at every temperature (0: greedy)."""
-    chats = as_chat(prompts)
-    params = [SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed + i)
-              for t in temperatures for i in range(len(chats))]
-    outputs = llm.chat(chats * len(temperatures), params, use_tqdm=True)
-    return [Sequence(o.prompt_token_ids + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
-            for o in outputs if o.outputs[0].token_ids]
+                       seed: int, max_seconds: float = math.inf, wave: int = 1024) -> list[Sequence]:
+    """The target's own answers to every prompt at every temperature (0: greedy), in waves of
+    `wave` requests (each mixing temperatures, so a cut run keeps both); no wave starts once
+    `max_seconds` have passed."""
+    jobs = [(i, t) for t in temperatures for i in range(len(prompts))]
+    random.Random(seed).shuffle(jobs)
+    start = time.perf_counter()
+    out: list[Sequence] = []
+    for first in range(0, len(jobs), wave):
+        if time.perf_counter() - start > max_seconds:
+            print(f"generation stopped after {len(out)} sequences: --max-generate-seconds {max_seconds:g} passed")
+            break
+        chunk = jobs[first:first + wave]
+        params = [SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed + i) for i, t in chunk]
+        outputs = llm.chat(as_chat([prompts[i] for i, _ in chunk]), params, use_tqdm=True)
+        out.extend(Sequence(o.prompt_token_ids + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
+                   for o in outputs if o.outputs[0].token_ids)
+    return out
 
 
 @torch.no_grad()
@@ -285,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine: the fastdeploy engine (batched, paged); dense: re-run the dense forward per "
                         "token, no engine start-up (for a short run on a fresh GPU)")
     p.add_argument("--max-generate-seconds", type=float, default=math.inf,
-                   help="dense generator: start no new batch after this")
+                   help="start no new batch (dense) or wave of requests (engine) after this")
     p.add_argument("--save-data", default=None, help="only generate: write the sequences to this JSON file")
     p.add_argument("--data", default=None, help="train on sequences from --save-data instead of generating")
     p.add_argument("--out", default=os.path.join(SHIPPED_HEADS, EMBEDDED_HEAD), help="checkpoint directory")
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         target = llm.engine.executor.runner.model if args.device.startswith("cuda") else \
             get_model(args.model, dtype=dtype, device=args.device, gguf_quantized=False)[0]
         seqs = generate_sequences(llm, training_prompts(args.num_prompts, args.seed, args.copy_share), args.max_tokens,
-                                  args.temperatures, args.seed)
+                                  args.temperatures, args.seed, args.max_generate_seconds)
     generated_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in seqs)
     print(f"{len(seqs)} sequences, {num_tokens} tokens "

@@ -21,6 +21,7 @@ from tools.mtp_prompts import (
     held_out_prompts,
     training_prompts,
 )
+from tools.train_mtp import generate_sequences
 
 # Mean accepted length at 1 draft, greedy, CPU float32: tools/eval_mtp.py measures 1.29 on 16
 # held-out prompts x 64 tokens, and these 4 prompts reach 1.41 at 48 tokens; a random head
@@ -49,6 +50,19 @@ def test_prompt_sets_are_disjoint():
     assert len(set(train)) == len(train)
     assert not any(topic in p for p in train for topic in HELD_OUT_TOPICS)
     assert not set(held_out_copy_prompts(64)) & set(copy_prompts(round(3072 * 0.35), 0))  # the default run's
+
+
+def test_training_answers_come_in_waves_equal_to_one_call(base):
+    """The trainer's generation in waves of requests gives each (prompt, temperature) the answer
+    one call with every request gives (per-request seeds), and every pair once."""
+    prompts = held_out_prompts(3)
+    temperatures = [0.0, 0.7]
+    waves = generate_sequences(base, prompts, 8, temperatures, seed=5, wave=4)
+    params = [SamplingParams(temperature=t, max_tokens=8, seed=5 + i) for t in temperatures for i in range(3)]
+    whole = base.chat(as_chat(prompts) * len(temperatures), params)
+    expected = sorted(o.prompt_token_ids + list(o.outputs[0].token_ids) for o in whole)
+    assert sorted(s.token_ids for s in waves) == expected
+    assert not generate_sequences(base, prompts, 8, temperatures, seed=5, max_seconds=-1.0)
 
 
 def test_dense_hidden_states_equal_the_paged_prefill(base):
