@@ -12,6 +12,7 @@ from fastdeploy.model_executor.layers.attention_metadata import AttentionMetadat
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.mtp import MTPHead, load_mtp_head, mtp_config, save_mtp_head
 from fastdeploy.spec_decode.mtp_proposer import PendingDrafts
+from tools.dense_llama import dense_hidden_states
 
 BS = 4
 
@@ -208,15 +209,18 @@ def test_mtp_drafts_after_a_prefix_cache_hit_are_those_computed_from_scratch(bas
     prefix cache: the MTP module reads their K/V of its own, and its first pair after them takes
     the target's hidden state kept for the cached prefix's last position. Its drafts (in turn, so
     each reaches the host) are those of the same prompt on an engine without the cache. Without
-    that kept hidden state (`keep_hidden=False`: patched out) they are not: what the test checks
-    shows in the drafts."""
+    that kept hidden state (`keep_hidden=False`: patched out) the pair reads another state than
+    the target's at that position (whether the drafts show it depends on the head)."""
     from fastdeploy.spec_decode.mtp_proposer import MTPProposer
     from fastdeploy.worker.mtp_step import MTPStep
 
     drafts: list[tuple[int, int, list[int]]] = []  # (seq_id, newest position, drafts)
     propose = MTPProposer.propose
 
+    read_hidden: list[torch.Tensor] = []  # the kept hidden states that first pairs after a hit read
+
     def recording(self, work, step_hidden, max_drafts=None, fill_in_flight=None, stored_hidden=None):
+        read_hidden.extend(stored_hidden[w.stored_hidden_slot].clone() for w in work if w.stored_hidden_slot >= 0)
         pending = propose(self, work, step_hidden, max_drafts, fill_in_flight, stored_hidden)
         made = pending.resolve() if pending.seq_ids else {}
         drafts.extend((w.seq_id, w.start + len(w.tokens) - 1, made[w.seq_id]) for w in work if w.seq_id in made)
@@ -247,4 +251,9 @@ def test_mtp_drafts_after_a_prefix_cache_hit_are_those_computed_from_scratch(bas
     plain_out, plain_drafts, _ = second_run(False)
     assert hits == 64 and len(plain_drafts) >= 8
     assert cached_out == plain_out == base.generate([{"prompt_token_ids": second}], params)[0].outputs[0].token_ids
-    assert (cached_drafts == plain_drafts) == keep_hidden
+    # The target's hidden state at the cached prefix's last position (63), from a dense forward.
+    target = dense_hidden_states(base.engine.executor.runner.model, torch.tensor([second]))[0, hits - 1]
+    assert len(read_hidden) == 1  # the cached run's one hit
+    assert torch.allclose(read_hidden[0].float(), target, atol=1e-3, rtol=1e-3) == keep_hidden
+    if keep_hidden:
+        assert cached_drafts == plain_drafts

@@ -23,14 +23,15 @@ from tools.mtp_prompts import (
 )
 from tools.train_mtp import generate_sequences
 
-# Mean accepted length at 1 draft, greedy, CPU float32: tools/eval_mtp.py measures 1.29 on 16
-# held-out prompts x 64 tokens, and these 4 prompts reach 1.41 at 48 tokens; a random head
-# stays near 1.0. The bound leaves room for the scatter of 4 short answers.
+# Mean accepted length at 1 draft, greedy, CPU float32: the shipped head reaches 1.51 on 24
+# held-out prompts x 128 tokens and 1.46 on these 4 at 32 tokens; a random head stays near 1.0.
+# The bound leaves room for the scatter of 4 short answers.
 MIN_MEAN_ACCEPTED_LENGTH = 1.2
-# Mean accepted length at 2 drafts every step on held-out copy requests, greedy: the shipped head
-# reaches 2.50 on 32 of them (H200, bf16) and 2.85 on these 4 at 48 tokens (CPU, float32); the head
-# shipped before it, never trained on copying, 1.17 on these 4, as would a head that only continues chat.
-MIN_COPY_MEAN_ACCEPTED_LENGTH = 1.8
+# Mean accepted length at 2 drafts every step on held-out copy requests (random schemas, tables,
+# logs, code), greedy, CPU float32: the shipped head reaches 1.96 on 24 of them x 128 tokens and
+# 1.79 on these 4 at 48 tokens; the head shipped before it, trained on copies of a few fixed
+# record and code shapes, 1.72 and 1.46.
+MIN_COPY_MEAN_ACCEPTED_LENGTH = 1.6
 
 
 @pytest.fixture(scope="module")
