@@ -20,15 +20,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import statistics
+import sys
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-import triton
-import triton.language as tl
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
-from benchmarks.common import (
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
     copy_bandwidth,
     finish_bar_axis,
     machine_with_device,

@@ -160,7 +160,7 @@ _SCALAR_KINDS = ["int", "float", "bool", "null", "word", "phrase", "name", "emai
 
 
 def _schema(rng: random.Random, depth: int = 0) -> list[tuple[str, object]]:
-    """Keys with a value kind each: a scalar kind, a list of one, or (above depth 1) a nested schema."""
+    """Keys with a value kind each: a scalar kind, a list of one, or (at depths 0 and 1) a nested schema."""
     fields: list[tuple[str, object]] = []
     for key in dict.fromkeys(_identifier(rng) for _ in range(rng.randint(2, 8 if depth == 0 else 4))):
         roll = rng.random()
