@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tools.dense_llama import dense_hidden_states
 from tools.mtp_prompts import (
     HELD_OUT_TOPICS,
     TRAIN_TOPICS,
+    _payload_text,
     as_chat,
     copy_prompts,
     held_out_copy_prompts,
@@ -51,6 +54,25 @@ def test_prompt_sets_are_disjoint():
     assert len(set(train)) == len(train)
     assert not any(topic in p for p in train for topic in HELD_OUT_TOPICS)
     assert not set(held_out_copy_prompts(64)) & set(copy_prompts(round(3072 * 0.35), 0))  # the default run's
+
+
+def test_copy_requests_of_random_schemas_hold_valid_json_of_many_keys():
+    """The random payloads the head learns to copy are JSON (an answer that repeats them is too),
+    and their keys vary: a head trained on a few fixed keys learned those keys, not copying."""
+    keys: set[str] = set()
+
+    def collect(value: object) -> None:
+        if isinstance(value, dict):
+            keys.update(value)
+            for v in value.values():
+                collect(v)
+        elif isinstance(value, list):
+            for v in value:
+                collect(v)
+
+    for seed in range(200):
+        collect(json.loads(_payload_text(random.Random(seed))))
+    assert len(keys) > 300
 
 
 def test_training_answers_come_in_waves_equal_to_one_call(base):
