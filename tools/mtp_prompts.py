@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 TRAIN_TOPICS = [
     "photosynthesis", "the French Revolution", "black holes", "compound interest", "the water cycle",
@@ -133,30 +134,33 @@ def _identifier(rng: random.Random) -> str:
     return "_".join(rng.sample(_WORDS, rng.choice([1, 1, 2])))
 
 
+# Each value kind's text, from the generator and a person's first and last name (which `_scalar`
+# draws for every value, so that the stream of draws does not depend on the kind).
+_SCALARS: dict[str, Callable[[random.Random, str, str], str]] = {
+    "int": lambda rng, first, last: str(rng.randint(0, 10 ** rng.randint(1, 6))),
+    "float": lambda rng, first, last: f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}",
+    "bool": lambda rng, first, last: rng.choice(["true", "false"]),
+    "null": lambda rng, first, last: "null",
+    "word": lambda rng, first, last: f'"{rng.choice(_WORDS)}"',
+    "phrase": lambda rng, first, last: '"' + " ".join(rng.sample(_WORDS, rng.randint(2, 5))) + '"',
+    "name": lambda rng, first, last: f'"{first} {last}"',
+    "email": lambda rng, first, last: f'"{first.lower()}.{last.lower()}{rng.randint(1, 99)}@{rng.choice(_WORDS)}.org"',
+    "place": lambda rng, first, last: f'"{rng.choice(_PLACES)}"',
+    "date": lambda rng, first, last: f'"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"',
+    "url": lambda rng, first, last: (f'"https://{rng.choice(_WORDS)}.example.com/'
+                                     f'{rng.choice(_WORDS)}/{rng.randint(1, 999)}"'),
+    "phone": lambda rng, first, last: f'"+{rng.randint(1, 99)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"',
+    "hex": lambda rng, first, last: '"' + "".join(rng.choice("0123456789abcdef")
+                                                 for _ in range(rng.choice([8, 12, 16]))) + '"',
+    "code": lambda rng, first, last: f'"{rng.choice(_WORDS)[:3].upper()}-{rng.randint(10, 99999)}"',
+}
+_SCALAR_KINDS = list(_SCALARS)
+
+
 def _scalar(rng: random.Random, kind: str) -> str:
     """One JSON value of `kind`, as text."""
     first, last = rng.choice(_FIRST_NAMES), rng.choice(_LAST_NAMES)
-    values = {
-        "int": lambda: str(rng.randint(0, 10 ** rng.randint(1, 6))),
-        "float": lambda: f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}",
-        "bool": lambda: rng.choice(["true", "false"]),
-        "null": lambda: "null",
-        "word": lambda: f'"{rng.choice(_WORDS)}"',
-        "phrase": lambda: '"' + " ".join(rng.sample(_WORDS, rng.randint(2, 5))) + '"',
-        "name": lambda: f'"{first} {last}"',
-        "email": lambda: f'"{first.lower()}.{last.lower()}{rng.randint(1, 99)}@{rng.choice(_WORDS)}.org"',
-        "place": lambda: f'"{rng.choice(_PLACES)}"',
-        "date": lambda: f'"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"',
-        "url": lambda: f'"https://{rng.choice(_WORDS)}.example.com/{rng.choice(_WORDS)}/{rng.randint(1, 999)}"',
-        "phone": lambda: f'"+{rng.randint(1, 99)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"',
-        "hex": lambda: '"' + "".join(rng.choice("0123456789abcdef") for _ in range(rng.choice([8, 12, 16]))) + '"',
-        "code": lambda: f'"{rng.choice(_WORDS)[:3].upper()}-{rng.randint(10, 99999)}"',
-    }
-    return values[kind]()
-
-
-_SCALAR_KINDS = ["int", "float", "bool", "null", "word", "phrase", "name", "email", "place", "date", "url",
-                 "phone", "hex", "code"]
+    return _SCALARS[kind](rng, first, last)
 
 
 def _schema(rng: random.Random, depth: int = 0) -> list[tuple[str, object]]:
