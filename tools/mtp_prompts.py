@@ -201,7 +201,8 @@ def _payload_text(rng: random.Random) -> str:
 
 def _table_text(rng: random.Random) -> str:
     """A CSV or Markdown table of random columns and 2-8 rows."""
-    schema = [(key, rng.choice(_SCALAR_KINDS)) for key in dict.fromkeys(_identifier(rng) for _ in range(3, 7))]
+    keys = dict.fromkeys(_identifier(rng) for _ in range(rng.randint(3, 6)))
+    schema = [(key, rng.choice(_SCALAR_KINDS)) for key in keys]
     rows = [[_scalar(rng, kind).strip('"') for _, kind in schema] for _ in range(rng.randint(2, 8))]
     header = [key for key, _ in schema]
     if rng.random() < 0.5:

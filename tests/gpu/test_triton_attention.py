@@ -165,17 +165,19 @@ def _shared_prefix_batch(block_size: int, head_dim: int, group: int, seed: int, 
 
 
 def _shared_rows_give_the_bits_of_rows_alone(group: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                                             device: str, whole_tile: bool) -> None:
-    from fastdeploy.model_executor.layers.triton_attention import DecodeTiles, paged_decode_attention
+                                             device: str, exact: bool = True) -> None:
+    from fastdeploy.model_executor.layers.triton_attention import paged_decode_attention
 
     q, cache, shared, alone, lens, ref = _shared_prefix_batch(block_size, head_dim, group, group * block_size,
                                                               device, dtype)
-    tiles = DecodeTiles(whole_tile=whole_tile)
     out_shared = torch.full_like(q, float("nan"))
     out_alone = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, cache[0], cache[1], shared, lens, head_dim**-0.5, out_shared, tiles)
-    paged_decode_attention(q, cache[0], cache[1], alone, lens, head_dim**-0.5, out_alone, tiles)
-    assert torch.equal(out_shared, out_alone)
+    paged_decode_attention(q, cache[0], cache[1], shared, lens, head_dim**-0.5, out_shared)
+    paged_decode_attention(q, cache[0], cache[1], alone, lens, head_dim**-0.5, out_alone)
+    if exact:
+        assert torch.equal(out_shared, out_alone)
+    else:
+        torch.testing.assert_close(out_shared, out_alone, atol=1e-6, rtol=1e-6)
     assert (out_shared[lens == 0] == 0).all()
     live = (lens > 0).cpu()
     err = (out_shared.double().cpu() - ref)[live].flatten(1).norm(dim=1) / ref[live].flatten(1).norm(dim=1)
@@ -184,24 +186,21 @@ def _shared_rows_give_the_bits_of_rows_alone(group: int, head_dim: int, block_si
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(4, 128, 16), (3, 64, 8), (2, 64, 32), (7, 128, 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("whole_tile", [False, True])
-def test_decode_rows_sharing_a_prefix_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype,
-                                                                  whole_tile) -> None:
+def test_decode_rows_sharing_a_prefix_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype) -> None:
     """Rows that share prefix blocks are attended together (the prefix read once for the tile),
-    and give exactly what the same rows give with every block their own; both match float64.
-    With one program a row and with one program a tile of rows."""
-    _shared_rows_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype, "cuda", whole_tile)
+    and give exactly what the same rows give with every block their own; both match float64."""
+    _shared_rows_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype, "cuda")
     torch.cuda.synchronize()
 
 
 def decode_checks_on(device: torch.device, cases: int) -> None:
-    """The shared-prefix check in float32 for `cases` head layouts, both program layouts (for the
-    CPU under Triton's interpreter, tests/layers/test_decode_attention_interpreted.py)."""
+    """The shared-prefix check in float32 for `cases` head layouts, for the CPU under Triton's
+    interpreter (tests/layers/test_decode_attention_interpreted.py). There the dots are NumPy's,
+    whose bits depend on where a row sits in the tile, so rows together and alone are compared to
+    float32 rounding, not to the bit (the GPU test does that)."""
     layouts = [(4, 64, 16), (3, 32, 8), (1, 32, 32), (7, 64, 16)][:cases]
     for group, head_dim, block_size in layouts:
-        for whole_tile in (False, True):
-            _shared_rows_give_the_bits_of_rows_alone(group, head_dim, block_size, torch.float32, device.type,
-                                                     whole_tile)
+        _shared_rows_give_the_bits_of_rows_alone(group, head_dim, block_size, torch.float32, device.type, exact=False)
 
 
 def _compiled_variants(kernel) -> int:

@@ -1,6 +1,7 @@
 """The paged decode attention kernel under Triton's interpreter, where there is no GPU: rows that
-share a prefix give the bits of the same rows alone, padding rows write zeros, and every row
-matches float64 (tests/gpu/test_triton_attention.py runs the same check, and more, on CUDA)."""
+share a prefix give what the same rows give alone (to float32 rounding there), padding rows
+write zeros, and every row matches float64 (tests/gpu/test_triton_attention.py runs the same
+check, and more, on CUDA)."""
 
 from __future__ import annotations
 

@@ -17,17 +17,14 @@ Rows that see no key (padding rows of a captured decode batch, context_len 0) wr
 Decode has its own kernel, which reads a prefix that neighbouring rows share once for all of
 them. The decode rows are cut into aligned tiles of `BLOCK_M // GROUP` rows (4 for 32 query heads
 over 8 KV heads). When a tile's leading rows point at the same cache blocks (the n samples of
-one prompt through the prefix cache, or the rows of one sequence's drafts), one program attends
-all of them: it streams the shared keys once with every row's queries in the tile, then each
-row's own keys after them. Otherwise each row is attended on its own: by a program of its own
-(the default), or, with `DecodeTiles.whole_tile`, by its tile's one program, rows in turn. The
-keys of all a program's rows are one loop, so the loads of one row's last chunk and the next
-row's first overlap. The shared length is rounded down to a multiple of BLOCK_N, so every row
-sees its keys in the same chunks, in the same order, as it would alone, and each row's scores
-come from its own query only, in the same lanes of the query tile: the result is meant to be
+one prompt through the prefix cache, or the rows of one sequence's drafts), the tile's first
+program attends all of them: it streams the shared keys once with every row's queries in the
+tile, then each row's own keys after them, and the tile's other programs have nothing to do.
+Otherwise each program attends its own row, as plain decode. The shared length is rounded down
+to a multiple of BLOCK_N, so every row sees its keys in the same chunks, in the same order, as
+it would alone, and each row's scores come from its own query only: the result is meant to be
 the same to the bit (tests/gpu/test_triton_attention.py asserts it). The tiles are found on the
-device from the block tables (all of a tile's rows compared in one pass), so a captured graph
-needs no new inputs.
+device from the block tables, so a captured graph needs no new inputs.
 """
 
 from __future__ import annotations
@@ -40,24 +37,12 @@ import triton.language as tl
 
 _DECODE_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 _PREFILL_BLOCK_M = 64
-_PREFILL_BLOCK_N = 64
-# The decode kernel's tile settings (benchmarks/attention_tiles.py sweeps them).
-_DECODE_BLOCK_N = 64
+_BLOCK_N = 64
+# The decode kernel's warps and pipeline stages (benchmarks/attention_tiles.py sweeps them with the
+# tile width: the fastest at 64 and 256 rows on an H100; at one row 8 / 3 was 0.4 us faster).
 _DECODE_WARPS = 4
 _DECODE_STAGES = 2
-_DECODE_WHOLE_TILE = False
 _TABLE_CHUNK = 128  # block-table entries compared at a time when finding a shared prefix
-
-
-@dataclass(frozen=True)
-class DecodeTiles:
-    """The decode kernel's tile width, warps, pipeline stages, and whether one program attends a
-    whole tile of rows in turn (fewer, longer programs) or each row has its own."""
-
-    block_n: int = _DECODE_BLOCK_N
-    warps: int = _DECODE_WARPS
-    stages: int = _DECODE_STAGES
-    whole_tile: bool = _DECODE_WHOLE_TILE
 
 # Triton compiles a kernel again for each new combination of its integer arguments' divisibility
 # by 16 (and equality to 1) and of its pointers' 16-byte alignment. A step's row count and
@@ -73,36 +58,25 @@ _PREFILL_VARYING = {"do_not_specialize": ["stride_bt"],
 
 
 @triton.jit
-def _leading_run(block_tables, context_lens, tile0, num_rows, stride_bt,
-                 KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, TILE_PAD: tl.constexpr,
-                 TABLE_CHUNK: tl.constexpr):
-    """The tile's context lengths, the number of its leading rows that read the same cache blocks
-    as its first row, and the tokens they share (rounded down to a multiple of BLOCK_N; 0 when
-    the run is one row). All the tile's rows are compared at once, so finding the run costs two
-    dependent reads (lengths, then tables), not two per row. Only blocks below both rows' lengths
-    are compared (entries past a row's length are padding, stale in a graph's buffer)."""
-    t = tl.arange(0, TILE_PAD)
-    row = tile0 + t
-    ok = (t < TILE) & (row < num_rows)
-    ctx = tl.load(context_lens + row, mask=ok, other=0)
-    ctx0 = tl.max(tl.where(t == 0, ctx, 0))
-    limit = tl.minimum(ctx, ctx0)
+def _shared_tokens(block_tables, context_lens, first, other, num_rows, stride_bt,
+                   KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_CHUNK: tl.constexpr):
+    """Tokens rows `first` and `other` read from the same cache blocks, rounded down to a multiple
+    of BLOCK_N; 0 when `other` is past the batch. Only blocks below both rows' lengths are compared
+    (entries past a row's length are padding, stale in a graph's buffer)."""
+    ok = other < num_rows
+    ctx_a = tl.load(context_lens + first)
+    ctx_b = tl.load(context_lens + other, mask=ok, other=0)
+    limit = tl.minimum(ctx_a, ctx_b)
     num_blocks = (limit + KV_BLOCK - 1) // KV_BLOCK
-    compared = tl.max(tl.where(t > 0, num_blocks, 0))
     first_diff = num_blocks
-    for start in range(0, compared, TABLE_CHUNK):
+    for start in range(0, num_blocks, TABLE_CHUNK):
         k = start + tl.arange(0, TABLE_CHUNK)
-        k_ok = k[None, :] < num_blocks[:, None]
-        a = tl.load(block_tables + tile0.to(tl.int64) * stride_bt + k, mask=k < compared, other=0)
-        b = tl.load(block_tables + row.to(tl.int64)[:, None] * stride_bt + k[None, :], mask=k_ok, other=0)
-        differs = k_ok & (a[None, :] != b)
-        first_diff = tl.minimum(first_diff, tl.min(tl.where(differs, k[None, :], num_blocks[:, None]), 1))
+        k_ok = k < num_blocks
+        a = tl.load(block_tables + first.to(tl.int64) * stride_bt + k, mask=k_ok, other=0)
+        b = tl.load(block_tables + other.to(tl.int64) * stride_bt + k, mask=k_ok, other=0)
+        first_diff = tl.minimum(first_diff, tl.min(tl.where(k_ok & (a != b), k, num_blocks)))
     same = tl.minimum(first_diff * KV_BLOCK, limit)
-    same = (same // BLOCK_N) * BLOCK_N
-    breaks = (t >= 1) & ((same == 0) | ~ok)
-    run = tl.min(tl.where(breaks, t, TILE))
-    shared = tl.min(tl.where((t >= 1) & (t < run), same, 2147483647))
-    return ctx, run, tl.where(run > 1, shared, 0)
+    return tl.where(ok, (same // BLOCK_N) * BLOCK_N, 0)
 
 
 @triton.jit(**_DECODE_VARYING)
@@ -112,80 +86,71 @@ def _paged_decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
     scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, TILE_PAD: tl.constexpr,
-    TABLE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, WHOLE_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, TABLE_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile0 = pid * TILE if WHOLE_TILE else (pid // TILE) * TILE
-    ctx, run, shared = _leading_run(block_tables, context_lens, tile0, num_rows, stride_bt,
-                                    KV_BLOCK, BLOCK_N, TILE, TILE_PAD, TABLE_CHUNK)
-    # This program attends the tile's rows first .. first + count - 1. With WHOLE_TILE, all of
-    # them (one program a tile). Otherwise (one program a row): the whole run (its first program),
-    # nothing (the run's other programs), or its own row (no run, or a row after it).
-    if WHOLE_TILE:
-        first = tl.full([], 0, tl.int32)
-        count = tl.full([], TILE, tl.int32)
-    else:
-        together = (run > 1) & (pid < tile0 + run)
-        first = tl.where(together, 0, pid - tile0)
-        count = tl.where(together, tl.where(pid == tile0, run, 0), 1)
-        shared = tl.where(together & (pid == tile0), shared, 0)
+    # The run of leading rows of this program's tile that share a prefix with the tile's first row.
+    tile0 = (pid // TILE) * TILE
+    run = tl.full([], 1, tl.int32)
+    in_run = tl.full([], 1, tl.int32)
+    shared = tl.load(context_lens + tile0)
+    for j in tl.static_range(1, TILE):
+        same = _shared_tokens(block_tables, context_lens, tile0, tile0 + j, num_rows, stride_bt,
+                              KV_BLOCK, BLOCK_N, TABLE_CHUNK)
+        in_run = in_run * (same > 0).to(tl.int32)
+        run += in_run
+        shared = tl.where(in_run > 0, tl.minimum(shared, same), shared)
+    # This program attends rows seq0 .. seq0 + num_seqs - 1: the whole run (its first program),
+    # nothing (the run's other programs), or its own row (no run, or a row after the run).
+    together = (run > 1) & (pid < tile0 + run)
+    seq0 = tl.where(together, tile0, pid)
+    num_seqs = tl.where(together, tl.where(pid == tile0, run, 0), 1)
+    shared = tl.where(together & (pid == tile0), shared, 0)
 
-    # The query tile holds every row of the program's tile at its place (row `t` of the tile in
-    # query rows t * GROUP ..), whichever of them this program attends: a row's scores and sums
-    # then sit in the same lanes whether it is attended alone or with a run.
     rows = tl.arange(0, BLOCK_M)
     row_seq = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    attended = (row_seq >= first) & (row_seq < first + count) & (tile0 + row_seq < num_rows)
-    seq_of_row = (tile0 + row_seq).to(tl.int64)
+    row_ok = row_seq < num_seqs
+    seq_of_row = (seq0 + row_seq).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     q = tl.load(Q + seq_of_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=attended[:, None] & d_ok[None, :], other=0.0)
-
-    # The key chunks, as one loop so that the pipeline runs on from one row's keys into the next:
-    # segment -1 holds the shared keys (through the first row's table, every row of the run taking
-    # part), then segment t row t's own keys from `lo` on. A chunk a row does not take part in
-    # gives it -inf scores, which leave its running max, sum and values unchanged.
-    t = tl.arange(0, TILE_PAD)
-    mine = (t >= first) & (t < first + count)
-    lo = tl.where(mine & (t < run), shared, 0)
-    chunks = tl.where(mine, (ctx - lo + BLOCK_N - 1) // BLOCK_N, 0)
-    shared_chunks = shared // BLOCK_N
-    seg_start = shared_chunks + tl.cumsum(chunks, 0) - chunks
-    total = shared_chunks + tl.sum(chunks, 0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for i in range(0, total):
-        seg = tl.max(tl.where((seg_start <= i) & (chunks > 0), t, -1))
-        pos = tl.sum(tl.where(t == seg, lo + (i - seg_start) * BLOCK_N, 0)) + tl.where(seg < 0, i * BLOCK_N, 0)
-        hi = tl.where(seg < 0, shared, tl.sum(tl.where(t == seg, ctx, 0)))
-        seq = (tile0 + tl.maximum(seg, 0)).to(tl.int64)
-        takes_part = tl.where(seg < 0, row_seq < run, row_seq == seg)
-        n = pos + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * KV_BLOCK + n % KV_BLOCK
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(takes_part[:, None] & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp() gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_shift[:, None])
-        alpha = tl.exp(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Row j's keys: the shared ones through seq0's table, then its own from `shared` on. A chunk a
+    # row does not take part in gives it -inf scores, which leave its running max, sum and
+    # values unchanged.
+    for j in range(-1, num_seqs):
+        seq = tl.where(j < 0, seq0, seq0 + j).to(tl.int64)
+        lo = tl.where(j < 0, 0, shared)
+        hi = tl.where(j < 0, shared, tl.load(context_lens + seq))
+        takes_part = tl.where(j < 0, row_ok, row_seq == j)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            block = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0)
+            slot = block.to(tl.int64) * KV_BLOCK + n % KV_BLOCK
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(takes_part[:, None] & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp() gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_shift[:, None])
+            alpha = tl.exp(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = Out + seq_of_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=attended[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(**_PREFILL_VARYING)
@@ -298,7 +263,6 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # int [D], the new token included; 0 = padding row (writes zeros)
     scale: float,
     out: torch.Tensor,  # [D, H, Dh], written in place
-    tiles: DecodeTiles | None = None,  # the kernel's tile settings; benchmarks/attention_tiles.py sweeps them
 ) -> None:
     """Decode attention; no host sync and fixed launch shape, so it can be captured in a CUDA graph."""
     num_rows, num_heads, head_dim = q.shape
@@ -306,19 +270,15 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if group > _DECODE_BLOCK_M:
         raise ValueError(f"decode kernel handles at most {_DECODE_BLOCK_M} query heads per KV head, got {group}")
-    tiles = tiles or DecodeTiles()
-    tile = _DECODE_BLOCK_M // group
     k, v = _kv_views(k_cache, v_cache)
-    programs = -(-num_rows // tile) if tiles.whole_tile else num_rows
-    _paged_decode_kernel[(programs, num_kv_heads)](
+    _paged_decode_kernel[(num_rows, num_kv_heads)](
         q, k, v, out, block_tables, context_lens, num_rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0),
         scale,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(max(head_dim, 16)), GROUP=group, KV_BLOCK=block_size,
-        BLOCK_M=_DECODE_BLOCK_M, BLOCK_N=tiles.block_n, TILE=tile, TILE_PAD=triton.next_power_of_2(tile),
-        TABLE_CHUNK=_TABLE_CHUNK, PRECISION=_precision(q), WHOLE_TILE=tiles.whole_tile,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_M=_DECODE_BLOCK_M, BLOCK_N=_BLOCK_N, TILE=_DECODE_BLOCK_M // group, TABLE_CHUNK=_TABLE_CHUNK,
+        PRECISION=_precision(q), num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES,
     )  # fmt: skip
 
 
@@ -341,6 +301,6 @@ def paged_prefill_attention(
         tiles.block_tables.stride(0),
         scale,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
-        KV_BLOCK=block_size, BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, PRECISION=_precision(q),
+        KV_BLOCK=block_size, BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, PRECISION=_precision(q),
         num_warps=4, num_stages=2,
     )  # fmt: skip
