@@ -164,7 +164,7 @@ def _shared_prefix_batch(block_size: int, head_dim: int, group: int, seed: int, 
             lens_t.to(device), ref)
 
 
-def _shared_rows_give_the_bits_of_rows_alone(group: int, head_dim: int, block_size: int, dtype: torch.dtype,
+def _check_shared_rows_against_rows_alone(group: int, head_dim: int, block_size: int, dtype: torch.dtype,
                                              device: str, exact: bool = True) -> None:
     from fastdeploy.model_executor.layers.triton_attention import paged_decode_attention
 
@@ -189,7 +189,7 @@ def _shared_rows_give_the_bits_of_rows_alone(group: int, head_dim: int, block_si
 def test_decode_rows_sharing_a_prefix_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype) -> None:
     """Rows that share prefix blocks are attended together (the prefix read once for the tile),
     and give exactly what the same rows give with every block their own; both match float64."""
-    _shared_rows_give_the_bits_of_rows_alone(group, head_dim, block_size, dtype, "cuda")
+    _check_shared_rows_against_rows_alone(group, head_dim, block_size, dtype, "cuda")
     torch.cuda.synchronize()
 
 
@@ -200,7 +200,7 @@ def decode_checks_on(device: torch.device, cases: int) -> None:
     float32 rounding, not to the bit (the GPU test does that)."""
     layouts = [(4, 64, 16), (3, 32, 8), (1, 32, 32), (7, 64, 16)][:cases]
     for group, head_dim, block_size in layouts:
-        _shared_rows_give_the_bits_of_rows_alone(group, head_dim, block_size, torch.float32, device.type, exact=False)
+        _check_shared_rows_against_rows_alone(group, head_dim, block_size, torch.float32, device.type, exact=False)
 
 
 def _compiled_variants(kernel) -> int:
